@@ -1,0 +1,52 @@
+"""The one entry point: `rewind serve | generate | chat | convert | models | cache-prompt | bench`.
+
+Each subcommand lives in rewind.commands.<name> with `register(subparsers)`, which adds its parser
+and sets `func`. Command modules import mlx and friends inside their functions so that `rewind
+--help` is instant and OpenBLAS can be preloaded before mlx loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rewind import __version__
+from rewind.blas import ensure_openblas
+
+COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "cache_prompt", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rewind", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rewind {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"rewind.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"rewind.commands.{name}":
+                raise
+            continue  # a command not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ensure_openblas(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        sys.exit(2)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Every knob of Rewind, in dataclasses with defaults that serve. The CLI fills these in."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rewind.paths import scratch_dir
+
+BLOCK_TOKENS = 256  # checkpoint / prefill-chunk granularity, in tokens
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB', '2G', '1.5GB', '1048576' -> bytes (binary multiples: this is about RAM and disk)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (try 512MiB, 4GiB, 1048576)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+    return int(number * scale)
+
+
+def default_disk_budget(folder: Path | None = None) -> int:
+    """min(30 GiB, a quarter of the free space where the scratch file goes)."""
+    folder = folder or scratch_dir()
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return int(min(30 << 30, free // 4))
+
+
+@dataclass
+class CacheConfig:
+    enabled: bool = True
+    block_tokens: int = BLOCK_TOKENS
+    ram_bytes: int = 2 << 30
+    disk_enabled: bool = True
+    disk_bytes: int | None = None  # None: default_disk_budget() when the store opens
+    cache_dir: Path | None = None  # None: paths.scratch_dir()
+    writer_queue: int = 64  # records waiting for the disk; the engine blocks only past this
+    salt: str = ""  # per-tenant cache salt folded into every block key
+
+
+@dataclass
+class EngineConfig:
+    parallel: int = 4
+    max_queue: int = 64
+    prefill_chunk: int = 512  # a multiple of BLOCK_TOKENS: chunks end on checkpoint boundaries
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+@dataclass
+class ServerConfig:
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 1234
+    api_key: str | None = None
+    max_body_bytes: int = 32 << 20
+    allow_image_urls: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
