@@ -1,0 +1,446 @@
+"""The disk tier: one anonymous scratch file holding safetensors records.
+
+The file is opened with O_TMPFILE (or created and unlinked at once where that is missing), so it
+has no name: nothing remains after close, exit or kill -9. An in-memory index maps each key to
+(offset, length, checksum). Freed ranges go to a coalescing free list that later writes reuse
+(best fit); when free space reaches the end of the file, the file is truncated. A chain-aware
+LRU keeps the bytes of stored and queued records under the budget, and the file itself never
+grows past the budget either (fragmentation is paid for by evicting more).
+
+put() only budgets the record and queues it: the writer thread serializes the (already
+evaluated) arrays and pwrites them, outside the lock, into a range that no reader can see yet.
+get() preads under the lock (so a range cannot be freed and reused mid-read) and verifies the
+checksum outside it. Any disk fault costs the record, never an exception in the caller: the
+cache only makes answers faster, so a failing disk must only make them slower.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable
+
+import mlx.core as mx
+import xxhash
+
+from rewind.cache.lru import ChainLRU
+from rewind.cache.serialize import (
+    EncodedLayout,
+    Record,
+    RecordFormatError,
+    array_buffers,
+    decode_record,
+    layout,
+)
+from rewind.cache.writer import Writer
+
+Key = Hashable
+log = logging.getLogger(__name__)
+
+
+class FreeList:
+    """Free byte ranges of a file, kept coalesced, plus the file's logical end."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # sorted starts of free ranges
+        self._lengths: dict[int, int] = {}  # start -> length
+        self.end = 0  # bytes the file spans: every range lies below it
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self._lengths.values())
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(start, self._lengths[start]) for start in self._starts]
+
+    def take_hole(self, length: int) -> int | None:
+        """Best fit among the free ranges (the smallest that holds `length`); None if none."""
+        best: int | None = None
+        for start in self._starts:
+            size = self._lengths[start]
+            if size >= length and (best is None or size < self._lengths[best]):
+                best = start
+                if size == length:
+                    break
+        if best is None:
+            return None
+        size = self._lengths.pop(best)
+        index = bisect.bisect_left(self._starts, best)
+        del self._starts[index]
+        if size > length:
+            self._insert(best + length, size - length)
+        return best
+
+    def append(self, length: int) -> int:
+        """A range at the end of the file."""
+        offset = self.end
+        self.end += length
+        return offset
+
+    def release(self, offset: int, length: int) -> bool:
+        """Return a range, merging it with free neighbours. True if the file end moved down."""
+        if length <= 0:
+            return False
+        index = bisect.bisect_left(self._starts, offset)
+        if index > 0:
+            before = self._starts[index - 1]
+            if before + self._lengths[before] > offset:
+                raise ValueError(f"range {offset}+{length} overlaps free range at {before}")
+            if before + self._lengths[before] == offset:
+                offset, length = before, self._lengths.pop(before) + length
+                del self._starts[index - 1]
+                index -= 1
+        if index < len(self._starts):
+            after = self._starts[index]
+            if offset + length > after:
+                raise ValueError(f"range {offset}+{length} overlaps free range at {after}")
+            if offset + length == after:
+                length += self._lengths.pop(after)
+                del self._starts[index]
+        if offset + length >= self.end:
+            self.end = offset  # free space reached the end: the file can shrink
+            return True
+        self._insert(offset, length)
+        return False
+
+    def _insert(self, offset: int, length: int) -> None:
+        bisect.insort(self._starts, offset)
+        self._lengths[offset] = length
+
+
+@dataclass(frozen=True)
+class Slot:
+    offset: int
+    length: int
+    checksum: int  # xxh3-128 of the blob
+
+
+@dataclass
+class _Pending:
+    parent: Key | None
+    record: Record
+    layout: EncodedLayout
+
+
+def open_anonymous_file(folder: Path, use_o_tmpfile: bool = True) -> int:
+    """A read-write fd on a file in `folder` that has no name (raises OSError)."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if use_o_tmpfile and flag is not None:
+        try:
+            return os.open(folder, flag | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as error:
+            # Filesystems without O_TMPFILE say EOPNOTSUPP/EISDIR/EINVAL; fall back. Anything
+            # else (EACCES, ENOENT, ...) would fail the fallback the same way.
+            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    fd, name = tempfile.mkstemp(prefix="rewind-scratch-", dir=folder)
+    try:
+        os.unlink(name)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class ScratchStore:
+    """key -> Record in one scratch file under `budget_bytes`, written in the background."""
+
+    def __init__(
+        self,
+        folder: Path | str,
+        budget_bytes: int,
+        queue_size: int = 64,
+        *,
+        use_o_tmpfile: bool = True,
+    ) -> None:
+        self.folder = Path(folder)
+        self.budget_bytes = budget_bytes
+        self.enabled = False
+        self.disabled_reason: str | None = None
+        self._lock = threading.Lock()
+        self._slots: dict[Key, Slot] = {}
+        self._pending: dict[Key, _Pending] = {}
+        self._free = FreeList()
+        self._lru = ChainLRU(max(budget_bytes, 0), on_evict=self._on_evict)
+        self._counts = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_written": 0,
+            "records_written": 0,
+            "corrupt": 0,
+            "write_errors": 0,
+            "read_errors": 0,
+            "rejected": 0,  # larger than the budget allows, or refused after close
+            "no_space": 0,  # the file could not make room within the budget
+        }
+        self.last_error: str | None = None
+        self._fd = -1
+        self._writer: Writer[Key] | None = None
+        if budget_bytes <= 0:
+            self.disabled_reason = f"disk budget is {budget_bytes} bytes"
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._fd = open_anonymous_file(self.folder, use_o_tmpfile)
+        except OSError as error:
+            self.disabled_reason = f"cannot open a scratch file in {self.folder}: {error}"
+            log.warning("disk cache disabled: %s", self.disabled_reason)
+            return
+        self._writer = Writer(self._write_job, queue_size, name="rewind-disk-writer")
+        self.enabled = True
+
+    # ---- the API -----------------------------------------------------------------------
+    def put(self, key: Key, parent: Key | None, record: Record) -> bool:
+        """Queue `record` for the disk; False if it will not be stored (the reason is counted).
+
+        Blocks only while the writer's queue is full. Never raises on disk trouble.
+        """
+        if not self.enabled:
+            return False
+        # The contract says evaluated; make sure, on the caller's thread, not the writer's.
+        mx.eval(list(record.arrays.values()))
+        encoded = layout(record)
+        with self._lock:
+            if not self.enabled:
+                return False
+            if key in self._slots or key in self._pending:
+                self._lru.touch(key)
+                return True
+            if not self._lru.add(key, parent, encoded.size):
+                self._counts["rejected"] += 1
+                return False
+            self._pending[key] = _Pending(parent, record, encoded)
+            writer = self._writer
+        if writer is None or not writer.submit(key):
+            with self._lock:
+                self._drop_subtree(key)
+                self._counts["rejected"] += 1
+            return False
+        return True
+
+    def get(self, key: Key) -> Record | None:
+        """The record, or None when absent, unreadable or corrupt (a bad one is dropped)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None:  # still queued: the arrays are right here
+                self._lru.touch(key)
+                self._counts["hits"] += 1
+                return pending.record
+            slot = self._slots.get(key)
+            if slot is None:
+                self._counts["misses"] += 1
+                return None
+            self._lru.touch(key)
+            try:
+                blob = self._pread_exact(slot.offset, slot.length)
+            except OSError as error:
+                self._counts["read_errors"] += 1
+                self._counts["misses"] += 1
+                self.last_error = f"read {slot.length} bytes at {slot.offset}: {error}"
+                self._drop_subtree(key)
+                return None
+        if xxhash.xxh3_128_intdigest(blob) == slot.checksum:
+            try:
+                record = decode_record(blob)
+            except RecordFormatError as error:
+                log.warning("record passed its checksum but does not decode: %s", error)
+            else:
+                with self._lock:
+                    self._counts["hits"] += 1
+                return record
+        with self._lock:
+            self._counts["corrupt"] += 1
+            self._counts["misses"] += 1
+            if self._slots.get(key) == slot:
+                self._drop_subtree(key)
+        return None
+
+    def contains(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._slots or key in self._pending
+
+    def __contains__(self, key: Key) -> bool:
+        return self.contains(key)
+
+    def touch(self, key: Key) -> None:
+        with self._lock:
+            self._lru.touch(key)
+
+    def discard(self, key: Key) -> int:
+        """Drop `key` and its descendants (a chain keeps no hole); returns how many."""
+        with self._lock:
+            return len(self._drop_subtree(key))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued record is written or dropped (tests, shutdown)."""
+        writer = self._writer
+        return True if writer is None else writer.flush(timeout)
+
+    def close(self) -> None:
+        """Stop the writer (queued records are dropped) and close the file, which vanishes."""
+        writer = self._writer
+        if writer is not None:
+            writer.close(drain=False)
+        with self._lock:
+            self.enabled = False
+            if self.disabled_reason is None:
+                self.disabled_reason = "closed"
+            self._slots.clear()
+            self._pending.clear()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> "ScratchStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "enabled": self.enabled,
+                "disabled_reason": self.disabled_reason,
+                "entries": len(self._slots) + len(self._pending),
+                "queued": len(self._pending),
+                "bytes": self._lru.total_bytes,
+                "budget_bytes": self.budget_bytes,
+                "evictions": self._lru.evictions,
+                "file_bytes": self._free.end,
+                "free_bytes": self._free.free_bytes,
+                "last_error": self.last_error,
+                **self._counts,
+            }
+
+    # ---- test hooks --------------------------------------------------------------------
+    def _debug_corrupt(self, key: Key, at: int = -1) -> None:
+        """Flip one byte of a written record in the file (tests of the checksum path)."""
+        with self._lock:
+            slot = self._slots[key]
+            position = slot.offset + (at % slot.length)
+            (byte,) = os.pread(self._fd, 1, position)
+            os.pwrite(self._fd, bytes([byte ^ 0xFF]), position)
+
+    def _debug_file_size(self) -> int:
+        """The size the kernel reports for the scratch file."""
+        with self._lock:
+            return os.fstat(self._fd).st_size
+
+    def _debug_slots(self) -> dict[Key, Slot]:
+        with self._lock:
+            return dict(self._slots)
+
+    # ---- the writer thread -------------------------------------------------------------
+    def _write_job(self, key: Key) -> None:
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                return  # evicted or dropped while queued
+        try:
+            buffers = [memoryview(pending.layout.header), *array_buffers(pending.record)]
+            hasher = xxhash.xxh3_128()
+            for buffer in buffers:
+                hasher.update(buffer)
+            checksum = hasher.intdigest()
+            if sum(len(b) for b in buffers) != pending.layout.size:
+                raise RecordFormatError("array bytes disagree with the record's layout")
+        except Exception as error:  # noqa: BLE001 - a record that cannot be encoded is lost, only
+            with self._lock:
+                self._fail(key, f"encode: {error!r}")
+            return
+        size = pending.layout.size
+        with self._lock:
+            if key not in self._pending:
+                return
+            offset = self._allocate(size, key)
+            if offset is None:
+                self._counts["no_space"] += 1
+                self._drop_subtree(key)
+                return
+        try:
+            self._pwrite_all(buffers, offset)
+        except OSError as error:
+            with self._lock:
+                self._release(offset, size)
+                self._fail(key, f"write {size} bytes at {offset}: {error}")
+            return
+        with self._lock:
+            if key in self._pending:
+                del self._pending[key]
+                self._slots[key] = Slot(offset, size, checksum)
+                self._counts["bytes_written"] += size
+                self._counts["records_written"] += 1
+            else:  # evicted while its bytes were going out
+                self._release(offset, size)
+
+    # ---- internals (called with the lock held) -----------------------------------------
+    def _allocate(self, size: int, key: Key) -> int | None:
+        """A range of `size` bytes inside the budget, evicting LRU leaves (never `key`'s chain)."""
+        while True:
+            offset = self._free.take_hole(size)
+            if offset is not None:
+                return offset
+            if self._free.end + size <= self.budget_bytes:
+                return self._free.append(size)
+            if self._lru.evict_one(protect=key) is None:
+                return None
+
+    def _on_evict(self, key: Key, parent: Key | None, nbytes: int) -> None:
+        self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        """Free what `key` holds; a key being written frees its range when the write ends."""
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._release(slot.offset, slot.length)
+        self._pending.pop(key, None)
+
+    def _drop_subtree(self, key: Key) -> list[Key]:
+        dropped = self._lru.remove_subtree(key)
+        for node in dropped:
+            self._forget(node)
+        return dropped
+
+    def _fail(self, key: Key, message: str) -> None:
+        self._counts["write_errors"] += 1
+        self.last_error = message
+        log.warning("disk cache write failed (record dropped): %s", message)
+        self._drop_subtree(key)
+
+    def _release(self, offset: int, length: int) -> None:
+        if self._free.release(offset, length) and self._fd >= 0:
+            try:
+                os.ftruncate(self._fd, self._free.end)
+            except OSError as error:  # the space stays allocated; the index is still right
+                self.last_error = f"truncate to {self._free.end}: {error}"
+
+    def _pread_exact(self, offset: int, length: int) -> bytearray:
+        blob = bytearray(length)
+        view = memoryview(blob)
+        done = 0
+        while done < length:
+            count = os.preadv(self._fd, [view[done:]], offset + done)
+            if count == 0:
+                raise OSError(errno.EIO, f"short read: {done} of {length} bytes")
+            done += count
+        return blob
+
+    def _pwrite_all(self, buffers: list[memoryview], offset: int) -> None:
+        position = offset
+        for buffer in buffers:
+            done = 0
+            while done < len(buffer):
+                count = os.pwrite(self._fd, buffer[done:], position)
+                if count <= 0:
+                    raise OSError(errno.EIO, f"pwrite wrote {count} bytes")
+                done += count
+                position += count
