@@ -1,0 +1,294 @@
+"""The Engine: one thread that owns the model, fed by submit() from any thread, streaming events
+back through per-request handles (blocking iteration or `async for`)."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from rewind.config import EngineConfig
+from rewind.engine.request import (
+    EngineStoppedError,
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    InvalidRequestError,
+    TokenEvent,
+    Usage,
+)
+from rewind.engine.sampler import SequenceSampler
+from rewind.engine.scheduler import SampleListener, Scheduler, Sequence
+from rewind.engine.stops import TextStream
+
+log = logging.getLogger(__name__)
+
+SAMPLE_HISTORY = 1024  # recent TTFT / ITL samples kept for stats()
+
+
+@dataclass
+class Completion:
+    """A whole request's output, for callers that do not stream."""
+
+    tokens: list[int]
+    text: str
+    finish: FinishEvent
+    logprobs: list[float | None]
+
+
+class RequestHandle:
+    """The caller's end of one request: iterate the events, or cancel.
+
+    Events arrive from the engine thread. Blocking iteration reads a thread-safe queue; the first
+    `async for` moves delivery onto the running event loop (call_soon_threadsafe into an
+    asyncio.Queue), so an async server never blocks a worker thread per stream.
+    """
+
+    def __init__(self, request_id: str, cancelled: threading.Event, wake_engine: Any) -> None:
+        self.request_id = request_id
+        self._cancelled = cancelled
+        self._wake_engine = wake_engine
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self.finished = False
+
+    def _deliver(self, event: Event) -> None:
+        """Engine thread: hand one event to the caller."""
+        with self._lock:
+            if isinstance(event, FinishEvent):
+                self.finished = True
+            if self._async is None:
+                self._events.put(event)
+                return
+            loop, async_queue = self._async
+        try:
+            loop.call_soon_threadsafe(async_queue.put_nowait, event)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            self._cancelled.set()
+
+    def cancel(self) -> None:
+        """Stop generating; the slot and its cache are freed at the engine's next step."""
+        if not self.finished:
+            self._cancelled.set()
+            self._wake_engine()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Blocking iteration; `timeout` bounds the wait for each event (TimeoutError)."""
+        while True:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no event from the engine for {timeout}s") from None
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        with self._lock:
+            if self._async is None:
+                async_queue: asyncio.Queue[Event] = asyncio.Queue()
+                while not self._events.empty():  # what arrived before the first `async for`
+                    async_queue.put_nowait(self._events.get_nowait())
+                self._async = (asyncio.get_running_loop(), async_queue)
+            async_queue = self._async[1]
+        while True:
+            event = await async_queue.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def collect(self, timeout: float | None = None) -> Completion:
+        """Wait for the whole output."""
+        tokens: list[int] = []
+        texts: list[str] = []
+        logprobs: list[float | None] = []
+        for event in self.events(timeout):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token)
+                texts.append(event.text)
+                logprobs.append(event.logprob)
+            else:
+                return Completion(tokens, "".join(texts), event, logprobs)
+        raise RuntimeError("event stream ended without a FinishEvent")  # unreachable
+
+
+def _eos_token_ids(tokenizer: Any, config: dict) -> set[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _vocab_size(model: Any, tokenizer: Any, config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        if isinstance(cfg.get("vocab_size"), int):
+            return cfg["vocab_size"]
+    return len(tokenizer.vocab)
+
+
+class Engine:
+    """Continuous batching over one model. `submit` from any thread; events via the handle."""
+
+    def __init__(self, loaded: Any, config: EngineConfig | None = None,
+                 prompt_cache: Any = None) -> None:
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        if self.config.parallel < 1:
+            raise ValueError("parallel must be >= 1")
+        self.prompt_cache = prompt_cache
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = _eos_token_ids(loaded.tokenizer, loaded.config)
+        self.vocab_size = _vocab_size(loaded.model, loaded.tokenizer, loaded.config)
+        self._listeners: list[SampleListener] = [self._record_sample]
+        self._samples: dict[str, deque[float]] = {}
+        self._scheduler = Scheduler(loaded.model, loaded.tokenizer, self.config, prompt_cache,
+                                    self.eos_token_ids, self._listeners)
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started_at = 0.0
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is not None:
+            return self
+        self._stopping.clear()
+        self._started_at = time.time()
+        self._thread = threading.Thread(target=self._run, name="rewind-engine", daemon=True)
+        self._thread.start()
+        # A process that exits without shutdown() must still stop the thread cleanly (above).
+        atexit.register(self.shutdown)
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight end with reason "cancelled"."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping.set()
+        self._wakeup.set()
+        thread.join(timeout)
+        self._thread = None
+        atexit.unregister(self.shutdown)
+        self._scheduler.abort_all("cancelled", "the engine shut down")
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises QueueFullError past max_queue, InvalidRequestError on bad
+        input, EngineStoppedError when the engine is not running."""
+        if not self.alive or self._stopping.is_set():
+            raise EngineStoppedError("the engine is not running")
+        if not request.prompt_tokens:
+            raise InvalidRequestError("the prompt is empty")
+        request.params.validate()
+        cancelled = threading.Event()
+        handle = RequestHandle(request.request_id, cancelled, self._wakeup.set)
+        sequence = Sequence(
+            request=request,
+            emit=handle._deliver,
+            sampler=SequenceSampler(request.params, request.prompt_tokens, self.vocab_size),
+            text=TextStream(self.tokenizer, request.params.stop),
+            submitted_at=time.perf_counter(),
+            usage=Usage(prompt_tokens=len(request.prompt_tokens)),
+            cancelled=cancelled,
+        )
+        self._scheduler.enqueue(sequence)
+        self._wakeup.set()
+        return handle
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> Completion:
+        """submit + collect: the whole output of one request."""
+        return self.submit(request).collect(timeout)
+
+    # ---- observation ------------------------------------------------------------------------
+
+    def add_sample_listener(self, listener: SampleListener) -> None:
+        """`listener(name, seconds)` on the engine thread for each sample of: ttft_seconds,
+        itl_seconds, queue_seconds, restore_seconds (for metrics histograms). Keep it cheap."""
+        self._listeners.append(listener)
+
+    def _record_sample(self, name: str, value: float) -> None:
+        self._samples.setdefault(name, deque(maxlen=SAMPLE_HISTORY)).append(value)
+
+    def recent_samples(self, name: str) -> list[float]:
+        return list(self._samples.get(name, ()))
+
+    def stats(self) -> dict[str, Any]:
+        sched = self._scheduler
+        counters = sched.counters
+        return {
+            "running": sched.running,
+            "queued": sched.queued,
+            "decoding": len(sched.decoding),
+            "prefilling": len(sched.prefilling),
+            "parallel": self.config.parallel,
+            "max_queue": self.config.max_queue,
+            "requests_finished": counters.requests_finished,
+            "finish_reasons": dict(counters.finish_reasons),
+            "prompt_tokens": counters.prompt_tokens,
+            "prefilled_tokens": counters.prefilled_tokens,
+            "generated_tokens": counters.generated_tokens,
+            "cached_tokens": counters.cached_tokens,
+            "cached_ram_tokens": counters.cached_ram_tokens,
+            "cached_disk_tokens": counters.cached_disk_tokens,
+            "uptime_seconds": time.time() - self._started_at if self._started_at else 0.0,
+            "mlx_active_bytes": mx.get_active_memory(),
+            "mlx_peak_bytes": mx.get_peak_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory(),
+        }
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # MLX keeps per-thread streams and compile caches; a thread that ends without
+            # clearing them makes the process abort at exit ("terminate called ...").
+            mx.clear_streams()
+
+    def _loop(self) -> None:
+        scheduler = self._scheduler
+        while not self._stopping.is_set():
+            self._wakeup.clear()  # before the step: a submit during it keeps the flag set
+            try:
+                did_work = scheduler.step()
+            except Exception as exc:  # a bug outside any one request: fail those in flight
+                log.exception("engine step failed")
+                scheduler.abort_all("error", f"engine failure: {type(exc).__name__}: {exc}")
+                did_work = False
+            if not did_work:
+                self._wakeup.wait(0.5)  # until submit / cancel / shutdown sets it

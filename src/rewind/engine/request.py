@@ -1,0 +1,118 @@
+"""What callers hand the engine (a request and its sampling knobs) and what they get back (events).
+
+Everything here is plain data: the engine thread fills it in, callers read it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class EngineError(Exception):
+    """Base of the engine's own errors."""
+
+
+class QueueFullError(EngineError):
+    """The admission queue is full; the caller should retry later (HTTP 429 + Retry-After)."""
+
+    def __init__(self, queued: int, max_queue: int, retry_after_seconds: float = 1.0) -> None:
+        super().__init__(f"the engine queue is full ({queued} waiting, limit {max_queue})")
+        self.queued = queued
+        self.max_queue = max_queue
+        self.retry_after_seconds = retry_after_seconds
+
+
+class EngineStoppedError(EngineError):
+    """submit() after shutdown(), or before start()."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine cannot run as given (empty prompt, bad sampling values)."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 -> greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt + generated tokens; 1 -> off
+    presence_penalty: float = 0.0  # OpenAI-style, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI-style, over generated tokens
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int = 256
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first value out of range."""
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    # Extra prompt positions worth a prompt-cache checkpoint (e.g. message boundaries), besides
+    # every 256-token multiple and the prompt's end.
+    checkpoints: list[int] = field(default_factory=list)
+    extras: Any = None  # rewind.cache.BlockExtras | None (typed loosely: engine -> cache only)
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache (RAM + disk)
+    cached_ram_tokens: int = 0
+    cached_disk_tokens: int = 0
+    restore_seconds: float = 0.0
+    ttft_seconds: float = 0.0  # submit -> first token event
+    total_seconds: float = 0.0  # submit -> finish
+    queue_seconds: float = 0.0  # submit -> admitted into a running slot
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    # Text this token released: may be "" (a multi-byte character not complete yet, or text held
+    # back because it may still become part of a stop string) or more than this token's own text.
+    # The last token event of a request carries whatever was held back (unless a stop matched).
+    text: str
+    logprob: float | None = None  # log-probability of `token` (set when params.logprobs)
+    top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob), best first
+
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass
+class FinishEvent:
+    reason: FinishReason
+    usage: Usage
+    error: str | None = None
+    stop_string: str | None = None  # which stop string matched, when reason == "stop" by string
+
+
+Event = TokenEvent | FinishEvent

@@ -1,0 +1,147 @@
+"""Per-sequence sampling: penalties, logit bias, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Order (as vLLM and llama.cpp do it): repetition penalty -> presence / frequency penalties ->
+logit bias -> (logprobs are read here) -> temperature -> top-k -> top-p -> min-p -> draw.
+Reported logprobs are those of the penalised, biased distribution before temperature and
+truncation, so they do not depend on the sampling knobs.
+
+Each sequence owns a SequenceSampler (its history and its random key). `sample_rows` builds every
+row's graph lazily and evaluates them together, with one argmax over the whole batch when every row
+is plain greedy.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import Counter
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from rewind.engine.request import InvalidRequestError, SamplingParams
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+
+
+class SequenceSampler:
+    """Sampling state of one sequence: prompt token set, generated-token counts, random key."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int], vocab_size: int) -> None:
+        self.params = params
+        self.vocab_size = vocab_size
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"logit_bias token ids out of range: {bad[:5]}")
+        self._bias_ids: mx.array | None = None  # built on the engine thread (see below)
+        self._bias_values: mx.array | None = None
+        # Repetition penalty covers the prompt too (HF semantics); keep the distinct ids only.
+        self._seen: set[int] = set(prompt_tokens) if params.repetition_penalty != 1.0 else set()
+        self._counts: Counter[int] = Counter()
+        self._seed = params.seed if params.seed is not None else secrets.randbits(63)
+        # MLX streams are per thread: a lazy array made on the caller's thread cannot be
+        # evaluated on the engine thread, so every array is created on first use.
+        self._key: mx.array | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole job: no processing, no logprobs."""
+        p = self.params
+        return p.greedy and not self._processes and not p.logprobs
+
+    @property
+    def _processes(self) -> bool:
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0 or bool(p.logit_bias))
+
+    def accept(self, token: int) -> None:
+        """Record a generated token for the penalties."""
+        if self.params.repetition_penalty != 1.0:
+            self._seen.add(token)
+        if self.params.presence_penalty != 0.0 or self.params.frequency_penalty != 0.0:
+            self._counts[token] += 1
+
+    def process(self, logits: mx.array) -> mx.array:
+        """Penalties and bias on one row of logits [vocab] (float32)."""
+        p = self.params
+        logits = logits.astype(mx.float32)
+        if p.repetition_penalty != 1.0 and self._seen:
+            ids = mx.array(sorted(self._seen), dtype=mx.int32)
+            picked = logits[ids]
+            logits[ids] = mx.where(picked < 0, picked * p.repetition_penalty,
+                                   picked / p.repetition_penalty)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and self._counts:
+            ids = mx.array(list(self._counts.keys()), dtype=mx.int32)
+            counts = mx.array(list(self._counts.values()), dtype=mx.float32)
+            logits[ids] = logits[ids] - (p.frequency_penalty * counts + p.presence_penalty)
+        if p.logit_bias:
+            if self._bias_ids is None or self._bias_values is None:
+                self._bias_ids = mx.array([int(t) for t in p.logit_bias], dtype=mx.int32)
+                self._bias_values = mx.array(list(p.logit_bias.values()), dtype=mx.float32)
+            logits[self._bias_ids] = logits[self._bias_ids] + self._bias_values
+        return logits
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """A token id (lazy scalar) from processed logits [vocab]."""
+        p = self.params
+        if p.greedy:
+            return mx.argmax(logits)
+        logits = logits * (1.0 / p.temperature)
+        if 0 < p.top_k < self.vocab_size:
+            kth_best = mx.min(mx.topk(logits, p.top_k))
+            logits = mx.where(logits < kth_best, -math.inf, logits)
+        if p.top_p < 1.0:
+            order = mx.argsort(-logits)
+            sorted_logits = logits[order]
+            sorted_probs = mx.softmax(sorted_logits)
+            # Keep a token while the mass before it is under top_p: the first always survives.
+            keep = (mx.cumsum(sorted_probs) - sorted_probs) < p.top_p
+            threshold = mx.min(mx.where(keep, sorted_logits, math.inf))
+            logits = mx.where(logits < threshold, -math.inf, logits)
+        if p.min_p > 0.0:
+            logprobs = logits - mx.logsumexp(logits)
+            logits = mx.where(logprobs < mx.max(logprobs) + math.log(p.min_p), -math.inf, logits)
+        if self._key is None:
+            self._key = mx.random.key(self._seed)
+        self._key, step_key = mx.random.split(self._key)
+        return mx.random.categorical(logits, key=step_key)
+
+
+def sample_rows(samplers: list[SequenceSampler], logits: mx.array) -> list[Sampled]:
+    """Sample one token per row of logits [B, vocab], row i with samplers[i]."""
+    if all(s.plain_greedy for s in samplers):
+        tokens = mx.argmax(logits, axis=-1)
+        mx.eval(tokens)
+        return [Sampled(int(t), None, None) for t in tokens.tolist()]
+
+    lazy = []
+    for row, sampler in enumerate(samplers):
+        processed = sampler.process(logits[row])
+        token = sampler.draw(processed)
+        logprob = top_ids = top_values = None
+        if sampler.params.logprobs:
+            logprobs = processed - mx.logsumexp(processed)
+            logprob = logprobs[token]
+            k = sampler.params.top_logprobs
+            if k > 0:
+                top_ids = mx.argpartition(-logprobs, k - 1)[:k]
+                top_values = logprobs[top_ids]
+        lazy.append((token, logprob, top_ids, top_values))
+    mx.eval([[a for a in item if a is not None] for item in lazy])
+
+    results = []
+    for token, logprob, top_ids, top_values in lazy:
+        top = None
+        if top_ids is not None:
+            pairs = zip(top_ids.tolist(), top_values.tolist())
+            top = sorted(((int(i), float(v)) for i, v in pairs), key=lambda pair: -pair[1])
+        results.append(Sampled(int(token.item()), None if logprob is None else float(logprob.item()),
+                               top))
+    return results

@@ -1,0 +1,220 @@
+"""The continuous-batching engine on tiny random-weight models of every cache family."""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from rewind.config import EngineConfig
+from rewind.engine import (
+    Engine,
+    FinishEvent,
+    GenerationRequest,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+    TokenEvent,
+)
+
+TIMEOUT = 120  # seconds any one wait for the engine may take before the test fails
+
+PROMPTS = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog. " * 8,  # past gemma3's 64-token window
+    "a",
+    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n" * 14,  # > 256 tokens: several chunks
+    "The weather in Berlin",
+]
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def no_eos(loaded) -> dict[int, float]:
+    """A logit bias that keeps a random model from ever ending by itself."""
+    return {int(t): -1e9 for t in Engine(loaded).eos_token_ids}
+
+
+def reference_greedy(loaded, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
+    """Plain batch-1 greedy decoding, written independently of the engine."""
+    model = loaded.model
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
+    out: list[int] = []
+    while True:
+        token = int(mx.argmax(logits, axis=-1).item())
+        out.append(token)
+        if token in eos or len(out) >= max_tokens:
+            return out
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+
+
+def run_all(loaded, prompts: list[list[int]], params: SamplingParams, parallel: int):
+    config = EngineConfig(parallel=parallel, prefill_chunk=256)
+    with Engine(loaded, config) as engine:
+        handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
+        return [h.collect(TIMEOUT) for h in handles]
+
+
+def test_batched_greedy_equals_sequential_greedy(tiny_loaded, tiny_family):
+    loaded = tiny_loaded(tiny_family)
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    assert max(len(p) for p in prompts) > 256
+    params = greedy(max_tokens=40)
+    batched = run_all(loaded, prompts, params, parallel=4)
+    one_at_a_time = run_all(loaded, prompts, params, parallel=1)
+    eos = Engine(loaded).eos_token_ids
+    for prompt, b, s in zip(prompts, batched, one_at_a_time):
+        assert b.tokens == s.tokens
+        assert b.tokens == reference_greedy(loaded, prompt, 40, eos)
+        assert b.finish.reason == ("stop" if b.tokens[-1] in eos else "length")
+        assert b.finish.usage.completion_tokens == len(b.tokens)
+        assert b.finish.usage.prompt_tokens == len(prompt)
+    # The sequences really were different, so equality above means something.
+    assert len({tuple(c.tokens) for c in batched}) == len(prompts)
+
+
+def test_sixteen_concurrent_requests_at_parallel_four_all_complete(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:4]] * 4
+    params = greedy(max_tokens=16, logit_bias=no_eos(loaded))
+    with Engine(loaded, EngineConfig(parallel=4)) as engine:
+        handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
+        results = [h.collect(TIMEOUT) for h in handles]
+        stats = engine.stats()
+    assert [r.finish.reason for r in results] == ["length"] * 16
+    assert all(len(r.tokens) == 16 for r in results)
+    # The same prompt gives the same tokens whichever batch neighbours it had.
+    for i in range(4):
+        assert {tuple(results[i + 4 * k].tokens) for k in range(4)} == {tuple(results[i].tokens)}
+    assert stats["requests_finished"] == 16 and stats["running"] == 0 and stats["queued"] == 0
+    assert stats["generated_tokens"] == 16 * 16
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_cancel_frees_the_slot(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("hello world")
+    endless = greedy(max_tokens=100_000, logit_bias=no_eos(loaded))
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        first = engine.submit(GenerationRequest(prompt, endless))
+        events = first.events(TIMEOUT)
+        assert isinstance(next(events), TokenEvent)  # it holds the only slot now
+        waiting = engine.submit(GenerationRequest(prompt, greedy(max_tokens=5)))
+        first.cancel()
+        finish = [e for e in events if isinstance(e, FinishEvent)][0]
+        assert finish.reason == "cancelled"
+        done = waiting.collect(TIMEOUT)
+        assert done.finish.reason in ("length", "stop") and done.tokens
+        stats = engine.stats()
+    assert stats["running"] == 0 and stats["finish_reasons"]["cancelled"] == 1
+
+
+def test_queue_full_raises(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("hello")
+    endless = greedy(max_tokens=100_000, logit_bias=no_eos(loaded))
+    with Engine(loaded, EngineConfig(parallel=1, max_queue=2)) as engine:
+        running = engine.submit(GenerationRequest(prompt, endless))
+        next(running.events(TIMEOUT))  # admitted: the queue is empty again
+        queued = [engine.submit(GenerationRequest(prompt, endless)) for _ in range(2)]
+        with pytest.raises(QueueFullError) as raised:
+            engine.submit(GenerationRequest(prompt, endless))
+        assert raised.value.max_queue == 2
+        assert engine.stats()["queued"] == 2
+        for handle in [running, *queued]:
+            handle.cancel()
+        reasons = [h.collect(TIMEOUT).finish.reason for h in [running, *queued]]
+    assert reasons == ["cancelled"] * 3
+
+
+def test_stop_string_across_token_boundaries(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("The quick brown fox")
+    params = greedy(max_tokens=40, logit_bias=no_eos(loaded))
+    with Engine(loaded, EngineConfig(parallel=2)) as engine:
+        plain = engine.generate(GenerationRequest(prompt, params), TIMEOUT)
+        # Per-token texts: pick a stop string made of the end of one token and the start of the
+        # next, printable, first occurring there.
+        texts = [loaded.tokenizer.decode([t]) for t in plain.tokens]
+        offsets = [len("".join(texts[:i])) for i in range(len(texts) + 1)]
+        stop = None
+        for i in range(3, len(texts) - 1):
+            candidate = texts[i][-2:] + texts[i + 1][:2]
+            if (len(texts[i]) >= 2 and len(texts[i + 1]) >= 2 and candidate.isprintable()
+                    and plain.text.find(candidate) == offsets[i + 1] - 2):
+                stop = candidate
+                break
+        assert stop is not None, f"no usable boundary in {texts!r}"
+        stopped = engine.generate(GenerationRequest(prompt, greedy(
+            max_tokens=40, logit_bias=no_eos(loaded), stop=["never-there", stop])), TIMEOUT)
+    assert stopped.finish.reason == "stop"
+    assert stopped.finish.stop_string == stop
+    assert stopped.text == plain.text[: plain.text.find(stop)]
+    assert stopped.tokens == plain.tokens[: len(stopped.tokens)]
+
+
+def test_seeded_sampling_is_reproducible(tiny_loaded):
+    loaded = tiny_loaded("gemma3")
+    prompt = loaded.tokenizer.encode("Once upon a time")
+
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, top_p=0.95, top_k=100, seed=seed,
+                                max_tokens=20, logit_bias=no_eos(loaded))
+        return engine.generate(GenerationRequest(prompt, params), TIMEOUT).tokens
+
+    with Engine(loaded, EngineConfig(parallel=2)) as engine:
+        assert sample(7) == sample(7)
+        assert sample(7) != sample(8)
+
+
+def test_logprobs_are_sane(tiny_loaded):
+    loaded = tiny_loaded("qwen3_5")
+    prompt = loaded.tokenizer.encode("The weather in Berlin")
+    with Engine(loaded) as engine:
+        handle = engine.submit(GenerationRequest(prompt, greedy(
+            max_tokens=8, logprobs=True, top_logprobs=5)))
+        events = [e for e in handle.events(TIMEOUT) if isinstance(e, TokenEvent)]
+    assert len(events) >= 1
+    for event in events:
+        assert event.logprob is not None and event.logprob <= 0.0
+        top = event.top_logprobs
+        assert top is not None and len(top) == 5
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert top[0][0] == event.token  # greedy picks the most likely token
+        assert top[0][1] == pytest.approx(event.logprob, abs=1e-5)
+        assert sum(mx.exp(mx.array([lp for _, lp in top])).tolist()) <= 1.0 + 1e-5
+
+
+def test_async_iteration(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("hello world")
+
+    async def consume(engine: Engine) -> list:
+        handle = engine.submit(GenerationRequest(prompt, greedy(max_tokens=6)))
+        return [event async for event in handle]
+
+    with Engine(loaded) as engine:
+        events = asyncio.run(asyncio.wait_for(consume(engine), TIMEOUT))
+        expected = engine.generate(GenerationRequest(prompt, greedy(max_tokens=6)), TIMEOUT)
+    assert isinstance(events[-1], FinishEvent)
+    assert [e.token for e in events[:-1]] == expected.tokens
+
+
+def test_a_failing_request_does_not_disturb_the_engine(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("hello world")
+    with Engine(loaded) as engine:
+        broken = engine.submit(GenerationRequest(["not", "token", "ids"], greedy()))  # type: ignore[list-item]
+        finish = broken.collect(TIMEOUT).finish
+        assert finish.reason == "error" and finish.error
+        healthy = engine.generate(GenerationRequest(prompt, greedy(max_tokens=4)), TIMEOUT)
+        assert healthy.finish.reason in ("length", "stop") and healthy.tokens
+        with pytest.raises(InvalidRequestError):
+            engine.submit(GenerationRequest([], greedy()))
+        with pytest.raises(InvalidRequestError):
+            engine.submit(GenerationRequest(prompt, greedy(logit_bias={10**9: 1.0})))
