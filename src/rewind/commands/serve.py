@@ -1,0 +1,100 @@
+"""`rewind serve`: the OpenAI- and Anthropic-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from rewind.config import CacheConfig, EngineConfig, ServerConfig, parse_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs")
+    parser.add_argument("--model", default="default",
+                        help="registry name or model folder (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=1234)
+    parser.add_argument("--parallel", type=int, default=4,
+                        help="sequences decoded together (default: %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting for a slot before 429 (default: %(default)s)")
+    parser.add_argument("--api-key", default=None,
+                        help="require this key (Authorization: Bearer or x-api-key) on /v1")
+    parser.add_argument("--no-prompt-cache", action="store_true",
+                        help="recompute every prompt from scratch")
+    parser.add_argument("--cache-ram", default=None, metavar="SIZE",
+                        help="RAM budget of the prompt cache's hot tier, e.g. 2GiB")
+    parser.add_argument("--cache-disk", default=None, metavar="SIZE",
+                        help="disk budget of the prompt cache (default: min(30GiB, free/4))")
+    parser.add_argument("--no-disk-cache", action="store_true",
+                        help="keep the prompt cache in RAM only")
+    parser.add_argument("--cache-dir", default=None, type=Path,
+                        help="folder of the (unlinked) scratch file")
+    parser.add_argument("--max-kv-size", type=int, default=None,
+                        help="cap each sequence's KV cache (rotating) at N tokens")
+    parser.add_argument("--max-body", default="32MiB", metavar="SIZE",
+                        help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(func=run)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    cache = CacheConfig(enabled=not args.no_prompt_cache, disk_enabled=not args.no_disk_cache,
+                        cache_dir=args.cache_dir)
+    if args.cache_ram is not None:
+        cache.ram_bytes = parse_size(args.cache_ram)
+    if args.cache_disk is not None:
+        cache.disk_bytes = parse_size(args.cache_disk)
+    engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
+                          max_kv_size=args.max_kv_size, cache=cache)
+    return ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                        max_body_bytes=parse_size(args.max_body), engine=engine)
+
+
+def build_prompt_cache(loaded, config: CacheConfig):  # type: ignore[no-untyped-def]
+    """The prompt cache, or None when disabled."""
+    if not config.enabled:
+        return None
+    from rewind.cache.prompt_cache import PromptCache
+
+    return PromptCache(loaded.model, loaded.fingerprint, config)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = server_config(args)
+    except ValueError as exc:
+        print(f"rewind serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s "
+                        "%(name)s: %(message)s")
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        logging.warning("serving on %s without --api-key: anyone who can reach it can use it",
+                        config.host)
+
+    import uvicorn
+
+    from rewind.engine import Engine
+    from rewind.models.loader import load_model
+    from rewind.server.app import create_app
+
+    print(f"loading {config.model} ...", file=sys.stderr, flush=True)
+    loaded = load_model(config.model)
+    prompt_cache = build_prompt_cache(loaded, config.engine.cache)
+    engine = Engine(loaded, config.engine, prompt_cache).start()
+    app = create_app(loaded, engine, config, prompt_cache)
+    print(f"serving {loaded.name} ({loaded.path}) on http://{config.host}:{config.port}/v1 "
+          f"with --parallel {config.engine.parallel}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+        if prompt_cache is not None:
+            prompt_cache.close()
+    return 0

@@ -1,0 +1,267 @@
+"""Anthropic-compatible endpoints: POST /v1/messages (plain and streaming) and
+/v1/messages/count_tokens. Claude Code talks to this through ANTHROPIC_BASE_URL."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rewind.engine import SamplingParams, Usage
+from rewind.server.body import parse_body
+from rewind.server.chat_format import ChatPrompt, Message
+from rewind.server.errors import ApiError, bad_request, error_body
+from rewind.server.runtime import ServerRuntime
+from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
+from rewind.server.streaming import SSE_HEADERS, Generation, sse_event
+from rewind.server.tool_parsing import OutputSplitter, Piece
+
+router = APIRouter()
+
+# Thinking blocks must carry a signature for clients that send them back; ours signs nothing.
+THINKING_SIGNATURE = "rewind-local"
+
+
+def _block_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for block in content:
+        if block.get("type") == "text":
+            texts.append(str(block.get("text", "")))
+        else:
+            raise bad_request(f"tool_result content of type {block.get('type')!r} is not "
+                              "supported (text only)", param="messages")
+    return "\n".join(texts)
+
+
+def _system_text(system: str | list[AnthropicBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n\n".join(block.text or "" for block in system if block.type == "text")
+
+
+def neutral_messages(body: CountTokensRequest) -> list[Message]:
+    out: list[Message] = []
+    system = _system_text(body.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    for message in body.messages:
+        blocks = ([AnthropicBlock(type="text", text=message.content)]
+                  if isinstance(message.content, str) else message.content)
+        if message.role == "assistant":
+            texts, reasoning, calls = [], [], []
+            for block in blocks:
+                if block.type == "text":
+                    texts.append(block.text or "")
+                elif block.type == "thinking":
+                    reasoning.append(block.thinking or "")
+                elif block.type == "tool_use":
+                    calls.append({"id": block.id or f"toolu_{uuid.uuid4().hex[:24]}",
+                                  "type": "function",
+                                  "function": {"name": block.name or "",
+                                               "arguments": block.input or {}}})
+                elif block.type != "redacted_thinking":
+                    raise bad_request(f"assistant content blocks of type {block.type!r} are not "
+                                      "supported", param="messages")
+            neutral: Message = {"role": "assistant", "content": "".join(texts)}
+            if reasoning:
+                neutral["reasoning_content"] = "\n".join(reasoning)
+            if calls:
+                neutral["tool_calls"] = calls
+            out.append(neutral)
+            continue
+        texts = []
+        for block in blocks:
+            if block.type == "text":
+                texts.append(block.text or "")
+            elif block.type == "tool_result":
+                result = _block_text(block.content)
+                if block.is_error:
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+                            "content": result})
+            else:
+                raise bad_request(f"user content blocks of type {block.type!r} are not "
+                                  "supported by this server (text and tool_result only)",
+                                  param="messages")
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _tools(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """Client tools in OpenAI's shape (the chat templates' lingua franca); Anthropic server
+    tools (web search and friends, which carry a versioned type) cannot run here and are left out."""
+    return [
+        {"type": "function", "function": {"name": tool.name, "description": tool.description or "",
+                                          "parameters": tool.input_schema or {"type": "object"}}}
+        for tool in body.tools or []
+        if tool.type in (None, "custom")
+    ]
+
+
+def _tool_choice(body: CountTokensRequest) -> str | None:
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    return {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
+
+
+def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
+    if body.thinking is None:
+        return None
+    return {"enable_thinking": body.thinking.type != "disabled"}
+
+
+def render(runtime: ServerRuntime, body: CountTokensRequest) -> tuple[list[Message], ChatPrompt]:
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    messages = neutral_messages(body)
+    prompt = runtime.formatter.render(messages, _tools(body) or None,
+                                      tool_choice=_tool_choice(body),
+                                      template_kwargs=_template_kwargs(body))
+    return messages, prompt
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    # Anthropic counts input tokens read from the cache apart from the others.
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens,
+            "cache_creation_input_tokens": 0}
+
+
+def _stop(generation: Generation) -> tuple[str, str | None]:
+    finish = generation.finish
+    if generation.saw_tool_call:
+        return "tool_use", None
+    if finish is not None and finish.reason == "length":
+        return "max_tokens", None
+    if finish is not None and finish.stop_string:
+        return "stop_sequence", finish.stop_string
+    return "end_turn", None
+
+
+def _block(piece: Piece) -> dict[str, Any]:
+    if piece.kind == "reasoning":
+        return {"type": "thinking", "thinking": piece.text, "signature": THINKING_SIGNATURE}
+    if piece.kind == "tool_call" and piece.tool_call is not None:
+        call = piece.tool_call
+        return {"type": "tool_use", "id": call.id, "name": call.name,
+                "input": call.arguments_dict()}
+    return {"type": "text", "text": piece.text}
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Any:
+    runtime: ServerRuntime = request.app.state.runtime
+    body = await parse_body(request, CountTokensRequest, runtime.config.max_body_bytes)
+    runtime.check_model(body.model)
+    _, prompt = render(runtime, body)
+    return {"input_tokens": len(prompt.tokens)}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Any:
+    runtime: ServerRuntime = request.app.state.runtime
+    body = await parse_body(request, MessagesRequest, runtime.config.max_body_bytes)
+    runtime.check_model(body.model)
+    messages_, prompt = render(runtime, body)
+    max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_tokens)
+    params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p,
+                            top_k=body.top_k or 0, stop=list(body.stop_sequences or []),
+                            max_tokens=max_tokens)
+    tools = _tools(body)
+    splitter = OutputSplitter(runtime.output_format,
+                              parse_tools=bool(tools) and _tool_choice(body) != "none",
+                              start_in_reasoning=prompt.start_in_reasoning, tools=tools,
+                              id_prefix="toolu_")
+    if messages_[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
+        splitter.feed(messages_[-1]["content"])
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
+    generation = Generation(runtime, "messages", request, handle, splitter)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    model = body.model or runtime.model_id
+    if body.stream:
+        stream = _message_stream(generation, message_id, model, len(prompt.tokens))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    pieces = await generation.collect()
+    stop_reason, stop_sequence = _stop(generation)
+    return JSONResponse({
+        "id": message_id, "type": "message", "role": "assistant", "model": model,
+        "content": [_block(piece) for piece in pieces],
+        "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+        "usage": usage_json(generation.usage),
+    })
+
+
+async def _message_stream(generation: Generation, message_id: str, model: str,
+                          prompt_tokens: int) -> AsyncIterator[str]:
+    yield sse_event("message_start", {"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
+                  "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}})
+    yield sse_event("ping", {"type": "ping"})
+    index = -1
+    open_kind: str | None = None  # kind of the open text / thinking block, if any
+
+    def close() -> list[str]:
+        events = []
+        if open_kind == "reasoning":
+            events.append(sse_event("content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "signature_delta", "signature": THINKING_SIGNATURE}}))
+        events.append(sse_event("content_block_stop", {"type": "content_block_stop",
+                                                       "index": index}))
+        return events
+
+    async for piece in generation.pieces():
+        if piece.kind != open_kind or piece.kind == "tool_call":
+            if open_kind is not None:
+                for event in close():
+                    yield event
+            index += 1
+            open_kind = piece.kind if piece.kind != "tool_call" else None
+            start = _block(piece)
+            if piece.kind == "reasoning":
+                start["thinking"] = ""
+            elif piece.kind == "content":
+                start["text"] = ""
+            else:
+                start["input"] = {}
+            yield sse_event("content_block_start", {"type": "content_block_start",
+                                                    "index": index, "content_block": start})
+            if piece.kind == "tool_call" and piece.tool_call is not None:
+                yield sse_event("content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "input_json_delta",
+                              "partial_json": json.dumps(piece.tool_call.arguments_dict())}})
+                yield sse_event("content_block_stop", {"type": "content_block_stop",
+                                                       "index": index})
+                continue
+        delta = ({"type": "thinking_delta", "thinking": piece.text} if piece.kind == "reasoning"
+                 else {"type": "text_delta", "text": piece.text})
+        yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": delta})
+    if open_kind is not None:
+        for event in close():
+            yield event
+    finish = generation.finish
+    if finish is not None and finish.reason == "error":
+        error = ApiError(500, "server", f"generation failed: {finish.error}")
+        yield sse_event("error", error_body(error, "anthropic"))
+        return
+    stop_reason, stop_sequence = _stop(generation)
+    yield sse_event("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": stop_reason,
+                                                "stop_sequence": stop_sequence},
+                                      "usage": usage_json(generation.usage)})
+    yield sse_event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,73 @@
+"""The FastAPI app factory: routes, error handlers in each API's shape, auth, /health, /metrics."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rewind.config import ServerConfig
+from rewind.server import anthropic_api, openai_api, responses_api
+from rewind.server.auth import ApiKeyMiddleware
+from rewind.server.errors import ApiError, error_response, flavor_for_path, validation_message
+from rewind.server.runtime import ServerRuntime
+
+log = logging.getLogger(__name__)
+
+_STATUS_KINDS = {401: "authentication", 404: "not_found", 405: "invalid_request",
+                 413: "too_large", 429: "rate_limit"}
+
+
+def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
+               prompt_cache: Any = None) -> FastAPI:
+    """An app around a loaded model and a started engine (the caller owns their lifetimes)."""
+    config = config or ServerConfig()
+    runtime = ServerRuntime(loaded, engine, config, prompt_cache)
+    app = FastAPI(title="Rewind", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        runtime.metrics.http_errors.labels(str(exc.status)).inc()
+        return error_response(exc, flavor_for_path(request.url.path))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return await api_error(request, ApiError(400, "invalid_request", message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = _STATUS_KINDS.get(exc.status_code, "invalid_request" if exc.status_code < 500
+                                 else "server")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return await api_error(request, ApiError(exc.status_code, kind, message))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return await api_error(request, ApiError(500, "server",
+                                                 f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not runtime.healthy():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": runtime.model_id})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(runtime.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

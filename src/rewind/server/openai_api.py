@@ -1,0 +1,343 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rewind.engine import SamplingParams, TokenEvent, Usage
+from rewind.server.body import parse_body
+from rewind.server.chat_format import Message
+from rewind.server.errors import ApiError, bad_request, error_body
+from rewind.server.runtime import ServerRuntime
+from rewind.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+)
+from rewind.server.streaming import SSE_HEADERS, Generation, sse_data
+from rewind.server.tool_parsing import OutputFormat, OutputSplitter, Piece, ToolCall, collect
+
+router = APIRouter()
+
+
+def _runtime(request: Request) -> ServerRuntime:
+    return request.app.state.runtime
+
+
+# ---------------------------------------------------------------- request -> prompt
+
+
+def _text_of(message: ChatMessage) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type in ("text", "input_text", "output_text") and part.text is not None:
+            texts.append(part.text)
+        else:
+            raise bad_request(f"content parts of type {part.type!r} are not supported by this "
+                              "server (text only)", param="messages")
+    return "".join(texts)
+
+
+def _arguments(raw: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw or "{}")
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"tool call arguments are not JSON: {exc}", param="messages") from exc
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def neutral_messages(messages: list[ChatMessage]) -> list[Message]:
+    out: list[Message] = []
+    for message in messages:
+        neutral: Message = {"role": "tool" if message.role == "function" else message.role,
+                            "content": _text_of(message)}
+        if message.tool_calls:
+            neutral["tool_calls"] = [
+                {"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _arguments(call.function.arguments)}}
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id:
+            neutral["tool_call_id"] = message.tool_call_id
+        if message.name:
+            neutral["name"] = message.name
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning:
+            neutral["reasoning_content"] = reasoning
+        out.append(neutral)
+    return out
+
+
+def _tool_choice_name(choice: Any) -> str | None:
+    if isinstance(choice, NamedToolChoice):
+        return choice.function.get("name")
+    return choice
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool = False,
+                    top_logprobs: int = 0, runtime: ServerRuntime) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed,
+        logit_bias=runtime.token_ids(body.logit_bias),
+        stop=stop,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _finish_reason(generation: Generation) -> str:
+    reason = generation.finish.reason if generation.finish else "stop"
+    if generation.saw_tool_call and reason == "stop":
+        return "tool_calls"
+    return "length" if reason == "length" else "stop"
+
+
+def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def _logprobs_json(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = runtime.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for event in events:
+        item = entry(event.token, event.logprob if event.logprob is not None else 0.0)
+        item["top_logprobs"] = [entry(t, lp) for t, lp in (event.top_logprobs or [])]
+        content.append(item)
+    return {"content": content}
+
+
+def _reject_unsupported(body: SamplingFields) -> None:
+    if body.n != 1:
+        raise bad_request("n > 1 is not supported: send one request per choice", param="n")
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    runtime = _runtime(request)
+    body = await parse_body(request, ChatCompletionRequest, runtime.config.max_body_bytes)
+    runtime.check_model(body.model)
+    _reject_unsupported(body)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"response_format {body.response_format.type!r} is not supported: this "
+                          "server has no constrained decoding; ask for JSON in the prompt",
+                          param="response_format")
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    choice = _tool_choice_name(body.tool_choice)
+    messages = neutral_messages(body.messages)
+    prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
+                                      template_kwargs=body.chat_template_kwargs)
+    max_tokens = runtime.max_new_tokens(len(prompt.tokens),
+                                        body.max_completion_tokens or body.max_tokens)
+    params = sampling_params(body, max_tokens, logprobs=body.logprobs,
+                             top_logprobs=body.top_logprobs or 0, runtime=runtime)
+    splitter = OutputSplitter(runtime.output_format, parse_tools=bool(tools) and choice != "none",
+                              start_in_reasoning=prompt.start_in_reasoning, tools=tools)
+    if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
+        splitter.feed(messages[-1]["content"])
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
+    generation = Generation(runtime, "chat", request, handle, splitter, keep_tokens=body.logprobs)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    model = body.model or runtime.model_id
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _chat_stream(runtime, generation, completion_id, model, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    pieces = await generation.collect()
+    content, reasoning, calls = collect(pieces)
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [_tool_call_json(call) for call in calls]
+    return JSONResponse({
+        "id": completion_id, "object": "chat.completion", "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(generation),
+                     "logprobs": _logprobs_json(runtime, generation.token_events)
+                     if body.logprobs else None}],
+        "usage": usage_json(generation.usage),
+    })
+
+
+async def _chat_stream(runtime: ServerRuntime, generation: Generation, completion_id: str,
+                       model: str, include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: Any = None) -> str:
+        return sse_data({"id": completion_id, "object": "chat.completion.chunk",
+                         "created": created, "model": model,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    tool_index = 0
+    logged = 0
+    async for piece in generation.pieces():
+        logprobs = None
+        if generation.keep_tokens and len(generation.token_events) > logged:
+            logprobs = _logprobs_json(runtime, generation.token_events[logged:])
+            logged = len(generation.token_events)
+        yield chunk(_delta(piece, tool_index), logprobs=logprobs)
+        if piece.kind == "tool_call":
+            tool_index += 1
+    finish = generation.finish
+    if finish is not None and finish.reason == "error":
+        error = ApiError(500, "server", f"generation failed: {finish.error}")
+        yield sse_data(error_body(error, "openai"))
+    else:
+        yield chunk({}, _finish_reason(generation))
+    if include_usage:
+        yield sse_data({"id": completion_id, "object": "chat.completion.chunk",
+                        "created": created, "model": model, "choices": [],
+                        "usage": usage_json(generation.usage)})
+    yield sse_data("[DONE]")
+
+
+def _delta(piece: Piece, tool_index: int) -> dict[str, Any]:
+    if piece.kind == "reasoning":
+        return {"reasoning_content": piece.text}
+    if piece.kind == "tool_call" and piece.tool_call is not None:
+        return {"tool_calls": [_tool_call_json(piece.tool_call, tool_index)]}
+    return {"content": piece.text}
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+
+def _prompt_tokens(runtime: ServerRuntime, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        text = prompt
+    elif prompt and all(isinstance(item, int) for item in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    elif len(prompt) == 1:
+        text = prompt[0]  # type: ignore[assignment]
+    else:
+        raise bad_request("send one prompt per request (a list of several prompts is not "
+                          "supported)", param="prompt")
+    if not text:
+        raise bad_request("the prompt is empty", param="prompt")
+    return list(runtime.tokenizer.encode(text))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    runtime = _runtime(request)
+    body = await parse_body(request, CompletionRequest, runtime.config.max_body_bytes)
+    runtime.check_model(body.model)
+    _reject_unsupported(body)
+    tokens = _prompt_tokens(runtime, body.prompt)
+    max_tokens = runtime.max_new_tokens(len(tokens), body.max_tokens)
+    params = sampling_params(body, max_tokens, logprobs=body.logprobs is not None,
+                             top_logprobs=body.logprobs or 0, runtime=runtime)
+    plain = OutputSplitter(OutputFormat(think_start=None, think_end=None), parse_tools=False)
+    handle = runtime.submit(tokens, params, [len(tokens)])
+    generation = Generation(runtime, "completions", request, handle, plain)
+    completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+    model = body.model or runtime.model_id
+    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _completion_stream(generation, completion_id, model, include_usage, echo)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    pieces = await generation.collect()
+    text = echo + "".join(piece.text for piece in pieces)
+    return JSONResponse({
+        "id": completion_id, "object": "text_completion", "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None,
+                     "finish_reason": _finish_reason(generation)}],
+        "usage": usage_json(generation.usage),
+    })
+
+
+async def _completion_stream(generation: Generation, completion_id: str, model: str,
+                             include_usage: bool, echo: str) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(text: str, finish_reason: str | None = None) -> str:
+        return sse_data({"id": completion_id, "object": "text_completion", "created": created,
+                         "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                      "finish_reason": finish_reason}]})
+
+    if echo:
+        yield chunk(echo)
+    async for piece in generation.pieces():
+        yield chunk(piece.text)
+    finish = generation.finish
+    if finish is not None and finish.reason == "error":
+        yield sse_data(error_body(ApiError(500, "server", f"generation failed: {finish.error}"),
+                                  "openai"))
+    else:
+        yield chunk("", _finish_reason(generation))
+    if include_usage:
+        yield sse_data({"id": completion_id, "object": "text_completion", "created": created,
+                        "model": model, "choices": [], "usage": usage_json(generation.usage)})
+    yield sse_data("[DONE]")
+
+
+# ---------------------------------------------------------------- /v1/models
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Any:
+    runtime = _runtime(request)
+    return {"object": "list", "data": [_model_json(runtime)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Any:
+    runtime = _runtime(request)
+    runtime.check_model(model_id)
+    return _model_json(runtime)
+
+
+def _model_json(runtime: ServerRuntime) -> dict[str, Any]:
+    return {"id": runtime.model_id, "object": "model", "created": runtime.created,
+            "owned_by": "rewind", "context_length": runtime.context_length}

@@ -1,0 +1,294 @@
+"""OpenAI Responses API (`POST /v1/responses`), the protocol codex speaks: input items in,
+output items (reasoning, message, function_call) out, as one object or as a stream of typed
+events (response.created ... response.output_text.delta ... response.completed).
+
+Nothing is stored: `previous_response_id` is refused; clients resend the conversation, which is
+what the prompt cache is for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rewind.engine import SamplingParams, Usage
+from rewind.server.body import parse_body
+from rewind.server.chat_format import Message
+from rewind.server.errors import bad_request
+from rewind.server.runtime import ServerRuntime
+from rewind.server.schemas import ResponsesRequest
+from rewind.server.streaming import SSE_HEADERS, Generation, sse_event
+from rewind.server.tool_parsing import OutputSplitter, Piece
+
+router = APIRouter()
+
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: content must be a string or a list of parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise bad_request(f"{where}: content parts of type {kind!r} are not supported by this "
+                              "server (text only)", param="input")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def neutral_messages(body: ResponsesRequest) -> list[Message]:
+    out: list[Message] = []
+    if body.instructions:
+        out.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        out.append({"role": "user", "content": body.input})
+        return out
+    pending_reasoning = ""
+    for position, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        where = f"input[{position}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"{where}: unknown role {role!r}", param="input")
+            message: Message = {"role": role, "content": _parts_text(item.get("content"), where)}
+            if role == "assistant" and pending_reasoning:
+                message["reasoning_content"], pending_reasoning = pending_reasoning, ""
+            out.append(message)
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "function_call":
+                try:
+                    arguments = json.loads(item.get("arguments") or "{}")
+                except json.JSONDecodeError as exc:
+                    raise bad_request(f"{where}: arguments are not JSON: {exc}",
+                                      param="input") from exc
+            else:
+                arguments = {"input": item.get("input", "")}
+            call = {"id": item.get("call_id") or _new_id("call"), "type": "function",
+                    "function": {"name": item.get("name", ""), "arguments": arguments}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            elif out and out[-1]["role"] == "assistant":
+                out[-1]["tool_calls"] = [call]
+            else:
+                message = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if pending_reasoning:
+                    message["reasoning_content"], pending_reasoning = pending_reasoning, ""
+                out.append(message)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            output = item.get("output")
+            text = output if isinstance(output, str) else _parts_text(output, where)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
+        elif kind == "reasoning":
+            texts = [_parts_text(item.get("content"), where)]
+            pending_reasoning += "".join(texts)
+        else:
+            raise bad_request(f"{where}: input items of type {kind!r} are not supported",
+                              param="input")
+    return out
+
+
+def _tools(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """Function tools in the chat-completions shape; hosted tools (web_search...) cannot run
+    here and are left out."""
+    tools = []
+    for tool in body.tools or []:
+        if tool.get("type") == "function" and tool.get("name"):
+            tools.append({"type": "function", "function": {
+                "name": tool["name"], "description": tool.get("description") or "",
+                "parameters": tool.get("parameters") or {"type": "object"}}})
+    return tools
+
+
+def _tool_choice(body: ResponsesRequest) -> str | None:
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        return choice.get("name")
+    return choice
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+class _Output:
+    """The response's output items as they are built, piece by piece."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being written
+
+    def add(self, piece: Piece) -> list[tuple[str, dict[str, Any]]]:
+        """Fold a piece in; return the stream events it causes (name, payload without
+        sequence_number)."""
+        events: list[tuple[str, dict[str, Any]]] = []
+        kind = {"reasoning": "reasoning", "content": "message"}.get(piece.kind)
+        if self.open is not None and (kind is None or self.open["type"] != kind):
+            events += self.close()
+        if piece.kind == "tool_call" and piece.tool_call is not None:
+            call = piece.tool_call
+            item = {"id": _new_id("fc"), "type": "function_call", "call_id": call.id,
+                    "name": call.name, "arguments": "", "status": "in_progress"}
+            index = len(self.items)
+            self.items.append(item)
+            events.append(("response.output_item.added", {"output_index": index, "item":
+                                                          dict(item)}))
+            events.append(("response.function_call_arguments.delta", {
+                "item_id": item["id"], "output_index": index, "delta": call.arguments}))
+            item.update(arguments=call.arguments, status="completed")
+            events.append(("response.function_call_arguments.done", {
+                "item_id": item["id"], "output_index": index, "name": call.name,
+                "arguments": call.arguments}))
+            events.append(("response.output_item.done", {"output_index": index, "item": item}))
+            return events
+        if self.open is None:
+            events += self._open(kind or "message")
+        item, index = self.open, len(self.items) - 1
+        assert item is not None
+        part = item["content"][0]
+        part["text"] += piece.text
+        name = ("response.reasoning_text.delta" if kind == "reasoning"
+                else "response.output_text.delta")
+        payload = {"item_id": item["id"], "output_index": index, "content_index": 0,
+                   "delta": piece.text}
+        if kind == "message":
+            payload["logprobs"] = []
+        events.append((name, payload))
+        return events
+
+    def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
+        if kind == "reasoning":
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": _new_id("msg"), "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        index = len(self.items)
+        events = [("response.output_item.added", {"output_index": index, "item": dict(item)}),
+                  ("response.content_part.added", {"item_id": item["id"], "output_index": index,
+                                                   "content_index": 0, "part": dict(part)})]
+        item["content"] = [part]
+        self.items.append(item)
+        self.open = item
+        return events
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        part = item["content"][0]
+        done = ("response.reasoning_text.done" if item["type"] == "reasoning"
+                else "response.output_text.done")
+        if item["type"] == "message":
+            item["status"] = "completed"
+        return [(done, {"item_id": item["id"], "output_index": index, "content_index": 0,
+                        "text": part["text"]}),
+                ("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                "content_index": 0, "part": part}),
+                ("response.output_item.done", {"output_index": index, "item": item})]
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Any:
+    runtime: ServerRuntime = request.app.state.runtime
+    body = await parse_body(request, ResponsesRequest, runtime.config.max_body_bytes)
+    runtime.check_model(body.model)
+    if body.previous_response_id:
+        raise bad_request("previous_response_id is not supported: this server stores no "
+                          "responses; send the whole conversation as input (the prompt cache "
+                          "makes that cheap)", param="previous_response_id")
+    messages = neutral_messages(body)
+    if not messages or all(m["role"] == "system" for m in messages):
+        raise bad_request("input must not be empty", param="input")
+    tools = _tools(body)
+    choice = _tool_choice(body)
+    effort = (body.reasoning or {}).get("effort")
+    template_kwargs = {"enable_thinking": False} if effort == "none" else None
+    prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
+                                      template_kwargs=template_kwargs)
+    max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_output_tokens)
+    params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p,
+                            max_tokens=max_tokens)
+    splitter = OutputSplitter(runtime.output_format, parse_tools=bool(tools) and choice != "none",
+                              start_in_reasoning=prompt.start_in_reasoning, tools=tools)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
+    generation = Generation(runtime, "responses", request, handle, splitter)
+    response = {
+        "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
+        "model": body.model or runtime.model_id, "status": "in_progress", "error": None,
+        "incomplete_details": None, "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "temperature": params.temperature, "top_p": params.top_p,
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+        "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
+        "metadata": body.metadata or {}, "usage": None,
+    }
+    if body.stream:
+        return StreamingResponse(_stream(generation, response), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    output = _Output()
+    for piece in await generation.collect():
+        output.add(piece)
+    output.close()
+    _finish(response, output, generation)
+    return JSONResponse(response)
+
+
+def _finish(response: dict[str, Any], output: _Output, generation: Generation) -> str:
+    """Fill in the final state; return the name of the closing stream event."""
+    response["output"] = output.items
+    response["usage"] = usage_json(generation.usage)
+    finish = generation.finish
+    if finish is not None and finish.reason == "error":
+        response["status"] = "failed"
+        response["error"] = {"code": "server_error", "message": f"generation failed: "
+                             f"{finish.error}"}
+        return "response.failed"
+    if finish is not None and finish.reason == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+        return "response.incomplete"
+    response["status"] = "completed"
+    return "response.completed"
+
+
+async def _stream(generation: Generation, response: dict[str, Any]) -> AsyncIterator[str]:
+    sequence = 0
+
+    def event(name: str, payload: dict[str, Any]) -> str:
+        nonlocal sequence
+        sequence += 1
+        return sse_event(name, {"type": name, "sequence_number": sequence - 1, **payload})
+
+    yield event("response.created", {"response": dict(response)})
+    yield event("response.in_progress", {"response": dict(response)})
+    output = _Output()
+    async for piece in generation.pieces():
+        for name, payload in output.add(piece):
+            yield event(name, payload)
+    for name, payload in output.close():
+        yield event(name, payload)
+    closing = _finish(response, output, generation)
+    yield event(closing, {"response": response})

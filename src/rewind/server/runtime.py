@@ -1,0 +1,106 @@
+"""What every endpoint shares: the loaded model, the engine, the chat formatter, the limits and
+the metrics; plus the checks that turn engine and context limits into API errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rewind.config import ServerConfig
+from rewind.engine import (
+    EngineStoppedError,
+    GenerationRequest,
+    InvalidRequestError,
+    QueueFullError,
+    RequestHandle,
+    SamplingParams,
+)
+from rewind.server.chat_format import ChatFormatter
+from rewind.server.errors import ApiError, bad_request
+from rewind.server.metrics import ServerMetrics
+from rewind.server.tool_parsing import OutputFormat
+
+
+def context_length(model_config: dict[str, Any]) -> int | None:
+    """The model's trained context, from its config (nested text_config for multimodal ones)."""
+    for config in (model_config, model_config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            if isinstance(config.get(key), int) and config[key] > 0:
+                return config[key]
+    return None
+
+
+class ServerRuntime:
+    def __init__(self, loaded: Any, engine: Any, config: ServerConfig,
+                 prompt_cache: Any = None) -> None:
+        self.loaded = loaded
+        self.engine = engine
+        self.config = config
+        self.prompt_cache = prompt_cache
+        self.tokenizer = loaded.tokenizer
+        self.output_format = OutputFormat.from_tokenizer(loaded.tokenizer)
+        self.formatter = ChatFormatter(loaded.tokenizer, self.output_format)
+        self.context_length = context_length(loaded.config)
+        self.model_id = str(loaded.name)
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine.stats,
+                                     prompt_cache.stats if prompt_cache is not None else None)
+        if hasattr(engine, "add_sample_listener"):
+            engine.add_sample_listener(self.metrics.on_engine_sample)
+
+    @property
+    def model_names(self) -> set[str]:
+        path = self.loaded.path
+        return {self.model_id, path.name, str(path)}
+
+    def check_model(self, name: str | None) -> None:
+        """An absent model means the one loaded; any other name than its own is a 404."""
+        if name is None or name in self.model_names:
+            return
+        raise ApiError(404, "not_found", f"model {name!r} is not served here; this server serves "
+                       f"{self.model_id!r}", param="model", code="model_not_found")
+
+    def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        """Check the prompt and the requested max_tokens against the context (400 with counts);
+        without a request, generate up to the end of the context."""
+        limit = self.context_length
+        if limit is None:
+            return requested or 4096
+        if prompt_tokens >= limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but the "
+                              f"prompt has {prompt_tokens} tokens", param="messages",
+                              code="context_length_exceeded")
+        if requested is not None and prompt_tokens + requested > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt "
+                              f"has {prompt_tokens} tokens and max_tokens asks for {requested} "
+                              f"more ({prompt_tokens + requested} in all)", param="max_tokens",
+                              code="context_length_exceeded")
+        return requested if requested is not None else limit - prompt_tokens
+
+    def token_ids(self, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias has token ids as JSON string keys."""
+        if not logit_bias:
+            return None
+        try:
+            return {int(token): float(bias) for token, bias in logit_bias.items()}
+        except ValueError as exc:
+            raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
+
+    def submit(self, tokens: list[int], params: SamplingParams,
+               checkpoints: list[int] | None = None) -> RequestHandle:
+        request = GenerationRequest(prompt_tokens=tokens, params=params,
+                                    checkpoints=sorted(set(checkpoints or [])))
+        try:
+            return self.engine.submit(request)
+        except QueueFullError as exc:
+            retry = max(1, round(exc.retry_after_seconds))
+            raise ApiError(429, "rate_limit", str(exc), code="queue_full",
+                           headers={"Retry-After": str(retry)}) from exc
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc)) from exc
+        except EngineStoppedError as exc:
+            raise ApiError(503, "overloaded", str(exc)) from exc
+
+    def healthy(self) -> bool:
+        alive = getattr(self.engine, "alive", True)
+        return bool(alive)

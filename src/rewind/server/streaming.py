@@ -1,0 +1,86 @@
+"""One generation as the HTTP side sees it: engine events -> parsed pieces (content, reasoning,
+tool calls), cancelled when the client goes away, counted in the metrics when it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from rewind.engine import FinishEvent, RequestHandle, TokenEvent, Usage
+from rewind.server.errors import ApiError
+from rewind.server.tool_parsing import OutputSplitter, Piece
+
+
+async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    """Wait for the client to hang up, then free the engine slot. The body is already read, so
+    the only message left to receive is http.disconnect."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+class Generation:
+    def __init__(self, runtime: Any, api: str, request: Request, handle: RequestHandle,
+                 splitter: OutputSplitter, keep_tokens: bool = False) -> None:
+        self.runtime = runtime
+        self.api = api
+        self.request = request
+        self.handle = handle
+        self.splitter = splitter
+        self.keep_tokens = keep_tokens
+        self.token_events: list[TokenEvent] = []
+        self.finish: FinishEvent | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return self.finish.usage if self.finish is not None else Usage()
+
+    @property
+    def saw_tool_call(self) -> bool:
+        return self.splitter.saw_tool_call
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        watcher = asyncio.create_task(_cancel_on_disconnect(self.request, self.handle))
+        try:
+            async for event in self.handle:
+                if isinstance(event, TokenEvent):
+                    if self.keep_tokens:
+                        self.token_events.append(event)
+                    for piece in self.splitter.feed(event.text):
+                        yield piece
+                else:
+                    self.finish = event
+                    for piece in self.splitter.finish():
+                        yield piece
+        finally:
+            watcher.cancel()
+            self.handle.cancel()  # a no-op once finished; frees the slot when we stop early
+            outcome = self.finish.reason if self.finish is not None else "cancelled"
+            self.runtime.metrics.on_finish(self.api, outcome, self.usage)
+
+    async def collect(self) -> list[Piece]:
+        """The whole output; an engine error becomes a 500."""
+        pieces = [piece async for piece in self.pieces()]
+        if self.finish is not None and self.finish.reason == "error":
+            raise ApiError(500, "server", f"generation failed: {self.finish.error}")
+        return pieces
+
+
+def sse_data(payload: dict[str, Any] | str) -> str:
+    """An OpenAI-style server-sent event (data only)."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+def sse_event(name: str, payload: dict[str, Any]) -> str:
+    """An Anthropic / Responses-style server-sent event (named)."""
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
