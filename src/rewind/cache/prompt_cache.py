@@ -1,0 +1,407 @@
+"""PromptCache: restore the longest cached prefix of a prompt, checkpoint new blocks.
+
+What a restore at point b needs, by layer kind (see records.py):
+  kv      the spine records of every block from the first up to b (the K/V deltas);
+  window  the window record at b;
+  state   the state record at b.
+Points are full block boundaries (multiples of block_tokens) and partial points (a prompt's
+end, where the next turn diverges). A partial point's spine record holds the rows from the last
+full boundary to the point and chains from that boundary's key.
+
+Record keys in the tiers: the spine record under the block key itself, its window and state
+records under the block key plus one tag byte. The tiers' chain-aware LRU sees spine records
+chained to the previous block and window/state records as children of their own block, so an
+old point's window and state go first and a chain never loses a block in its middle.
+
+The prompt cache never raises into the engine for a storage problem: a record that is missing,
+corrupt or fails its identity check only shortens the restored prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from rewind.cache import records as rec
+from rewind.cache.blocks import BlockChain, BlockExtras, BlockIdentity, root_key
+from rewind.cache.ram_tier import RamTier
+from rewind.cache.serialize import Record
+from rewind.config import CacheConfig, default_disk_budget
+from rewind.paths import scratch_dir
+
+log = logging.getLogger(__name__)
+
+_TAG = {rec.WINDOW: b"w", rec.STATE: b"s"}
+_MAX_PARTIAL_POINTS = 1 << 16  # bound on the in-memory index of partial checkpoints
+_MAX_RESTORE_ATTEMPTS = 4  # a failing record shortens the plan; give up after this many
+
+
+@dataclass
+class Restored:
+    """A restore's result: live caches holding tokens[:tokens], and where they came from."""
+
+    cache: list
+    tokens: int  # prompt tokens restored; prefill tokens[tokens:]
+    ram_tokens: int
+    disk_tokens: int
+    seconds: float
+
+
+@dataclass
+class _Point:
+    """A candidate restore point and the record keys it needs, in chain order."""
+
+    identity: BlockIdentity
+    spine: list[BlockIdentity]  # every spine block from the first up to the point
+
+
+def _extras_digest(extras: BlockExtras | None) -> str:
+    """What a spine record remembers of the extras, to check on a hit (images only: the salt
+    and fingerprint are in the root key, and the chain carries the root)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for start, end, image in (extras.image_hashes if extras else []):
+        digest.update(f"{start}:{end}:".encode() + image)
+    return digest.hexdigest()
+
+
+def _open_store(config: CacheConfig) -> Any | None:
+    """The disk tier, or None when it is off or cannot be opened (never fatal)."""
+    if not config.disk_enabled:
+        return None
+    try:
+        from rewind.cache.store import ScratchStore
+    except ImportError:  # the disk tier is not built in this checkout
+        log.warning("disk tier unavailable: rewind.cache.store is missing")
+        return None
+    folder = Path(config.cache_dir) if config.cache_dir else scratch_dir()
+    try:
+        budget = config.disk_bytes if config.disk_bytes is not None else default_disk_budget(folder)
+        store = ScratchStore(folder, budget, queue_size=config.writer_queue)
+    except Exception as error:  # noqa: BLE001 - a broken disk tier costs recompute, not a crash
+        log.warning("disk tier disabled: %s", error)
+        return None
+    if not store.enabled:
+        log.warning("disk tier disabled: %s", store.disabled_reason)
+    return store
+
+
+class PromptCache:
+    """Checkpoints and restores prompt prefixes of one model across requests."""
+
+    def __init__(self, model: Any, fingerprint: str, config: CacheConfig | None = None) -> None:
+        self.model = model
+        self.fingerprint = fingerprint
+        self.config = config or CacheConfig()
+        self.block_tokens = self.config.block_tokens
+        self._lock = threading.RLock()  # the engine thread is the user; tests may add more
+        self._partials: dict[bytes, set[int]] = {}  # chained_from key -> partial lengths
+        self._partial_count = 0
+        self.disabled_reason: str | None = None if self.config.enabled else "disabled by config"
+        self.store = _open_store(self.config) if self.config.enabled else None
+        self.ram = RamTier(self.config.ram_bytes, spill=self._spill)
+        self._counters = {
+            "restores": 0,
+            "tokens_requested": 0,
+            "tokens_restored": 0,
+            "tokens_restored_ram": 0,
+            "tokens_restored_disk": 0,
+            "tokens_recomputed": 0,
+            "checkpoints": 0,
+            "records_stored": 0,
+            "identity_mismatches": 0,
+            "missing_records": 0,
+        }
+        self._restore_seconds = 0.0
+
+    # ---- the engine's API --------------------------------------------------------------------
+
+    def restore(
+        self,
+        tokens: Sequence[int],
+        extras: BlockExtras | None = None,
+        max_kv_size: int | None = None,
+    ) -> Restored:
+        """Live caches for the longest restorable prefix of `tokens`, leaving >= 1 token."""
+        started = time.perf_counter()
+        with self._lock:
+            template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+            restored = self._restore_into(template, list(tokens), extras)
+            seconds = time.perf_counter() - started
+            restored.seconds = seconds
+            counters = self._counters
+            counters["restores"] += 1
+            counters["tokens_requested"] += len(tokens)
+            counters["tokens_restored"] += restored.tokens
+            counters["tokens_restored_ram"] += restored.ram_tokens
+            counters["tokens_restored_disk"] += restored.disk_tokens
+            counters["tokens_recomputed"] += len(tokens) - restored.tokens
+            self._restore_seconds += seconds
+            return restored
+
+    def checkpoint(
+        self, tokens: Sequence[int], cache: Sequence[Any], extras: BlockExtras | None = None
+    ) -> None:
+        """Store records for every block of `tokens` not cached yet, and for the point
+        len(tokens) itself. `cache` must hold exactly `tokens`."""
+        with self._lock:
+            if self.disabled_reason is not None or not tokens:
+                return
+            try:
+                root = self._root(cache, extras)
+            except rec.UnsupportedCacheError as error:
+                self.disabled_reason = str(error)
+                log.warning("prompt cache off for this model: %s", error)
+                return
+            offset = rec.cache_offset(cache)
+            if offset is not None and offset != len(tokens):
+                raise ValueError(f"checkpoint: the cache holds {offset} tokens, not {len(tokens)}")
+            self._counters["checkpoints"] += 1
+            chain = BlockChain(tokens, root, extras, self.block_tokens)
+            digest = _extras_digest(extras)
+            for block in chain.full:
+                if not self._has(block.key):
+                    self._put(block.key, block.parent, rec.snapshot_kv(cache, block, digest))
+            point = chain.at(len(tokens))
+            if point.partial:
+                if not self._has(point.key):
+                    self._put(point.key, point.parent, rec.snapshot_kv(cache, point, digest))
+                self._remember_partial(point)
+            for kind, snapshot in ((rec.WINDOW, rec.snapshot_window), (rec.STATE, rec.snapshot_state)):
+                key = point.key + _TAG[kind]
+                if not self._has(key):
+                    record = snapshot(cache, point.end)
+                    if record is not None:
+                        self._put(key, point.key, record)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "enabled": self.disabled_reason is None,
+                "disabled_reason": self.disabled_reason,
+                **self._counters,
+                "restore_seconds": self._restore_seconds,
+                "partial_points": self._partial_count,
+                "ram": self.ram.stats(),
+                "disk": self.store.stats() if self.store is not None else None,
+            }
+
+    def flush(self) -> None:
+        """Wait until every record handed to the disk tier is written (tests, benchmarks)."""
+        if self.store is not None:
+            self.store.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self.ram.spill = None  # shutting down: nothing more goes to disk
+            self.ram.clear()
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+    # ---- planning and restoring --------------------------------------------------------------
+
+    def _root(self, cache: Sequence[Any], extras: BlockExtras | None) -> bytes:
+        salt = self.config.salt + "\x00" + (extras.salt if extras else "")
+        return root_key(self.fingerprint, rec.describe_layout(cache), salt)
+
+    def _restore_into(
+        self, template: list, tokens: list[int], extras: BlockExtras | None
+    ) -> Restored:
+        nothing = Restored(cache=template, tokens=0, ram_tokens=0, disk_tokens=0, seconds=0.0)
+        if self.disabled_reason is not None or len(tokens) < 2:
+            return nothing
+        try:
+            root = self._root(template, extras)
+            needs = rec.kinds_in(template) - {rec.KV}
+        except rec.UnsupportedCacheError as error:
+            self.disabled_reason = str(error)
+            return nothing
+        chain = BlockChain(tokens, root, extras, self.block_tokens)
+        digest = _extras_digest(extras)
+        limit = len(tokens) - 1  # the last token is always computed: its logits are sampled
+        for _ in range(_MAX_RESTORE_ATTEMPTS):
+            point = self._plan(chain, limit, needs)
+            if point is None:
+                return nothing
+            loaded = self._load(point, needs, digest)
+            if isinstance(loaded, int):
+                limit = loaded  # a record failed: plan again, ending at or before its block
+                continue
+            parts, ram_tokens, disk_tokens = loaded
+            cache = rec.rebuild(template, parts)
+            return Restored(cache, point.identity.end, ram_tokens, disk_tokens, 0.0)
+        return nothing
+
+    def _plan(self, chain: BlockChain, limit: int, needs: set[str]) -> _Point | None:
+        """The furthest point <= limit whose records are all present in RAM or on disk."""
+        present: list[BlockIdentity] = []
+        for block in chain.full:
+            if block.end > limit or not self._has(block.key):
+                break
+            present.append(block)
+        candidates: list[tuple[int, BlockIdentity, int]] = []  # (end, point, spine blocks)
+        for index, block in enumerate(present):
+            candidates.append((block.end, block, index + 1))
+        for index in range(len(present) + 1):
+            aligned_key = chain.root if index == 0 else present[index - 1].key
+            for length in self._partials.get(aligned_key, ()):
+                end = index * self.block_tokens + length
+                if end <= limit:
+                    point = chain.at(end)
+                    candidates.append((end, point, index))
+        for _, point, spine_blocks in sorted(candidates, key=lambda c: c[0], reverse=True):
+            if point.partial and not self._has(point.key):
+                continue
+            if all(self._has(point.key + _TAG[kind]) for kind in needs):
+                spine = present[:spine_blocks] + ([point] if point.partial else [])
+                return _Point(point, spine)
+        return None
+
+    def _load(
+        self, point: _Point, needs: set[str], digest: str
+    ) -> tuple[rec.RestoreParts, int, int] | int:
+        """Fetch and check the records of `point`; on failure, the start of the failing block
+        (a restore must end at or before it)."""
+        spine_records: list[Record] = []
+        block_from_disk: list[bool] = []
+        for block in point.spine:
+            record, from_disk = self._get(block.key, block.parent)
+            if record is None:
+                self._counters["missing_records"] += 1
+                return block.start
+            if not rec.verify_kv(record, block, digest):
+                self._counters["identity_mismatches"] += 1
+                self._discard(block.key)
+                return block.start
+            spine_records.append(record)
+            block_from_disk.append(from_disk)
+        extra: dict[str, Record | None] = {rec.WINDOW: None, rec.STATE: None}
+        end = point.identity.end
+        point_from_disk = False
+        for kind in needs:
+            record, from_disk = self._get(point.identity.key + _TAG[kind], point.identity.key)
+            if record is None or record.meta.get("kind") != kind or record.meta.get("end") != str(end):
+                self._counters["missing_records"] += 1
+                return end - 1  # plan again for an earlier point
+            extra[kind] = record
+            point_from_disk = point_from_disk or from_disk
+        if point_from_disk and block_from_disk:
+            block_from_disk[-1] = True  # the point's window / state came from disk
+        sizes = [block.end - block.start for block in point.spine]
+        disk_tokens = sum(size for size, disk in zip(sizes, block_from_disk) if disk)
+        ram_tokens = sum(sizes) - disk_tokens
+        parts = rec.RestoreParts(end=end, kv=spine_records, window=extra[rec.WINDOW], state=extra[rec.STATE])
+        return parts, ram_tokens, disk_tokens
+
+    # ---- the tiers --------------------------------------------------------------------------
+
+    def _has(self, key: bytes) -> bool:
+        if self.ram.contains(key):
+            return True
+        return self.store is not None and self.store.contains(key)
+
+    def _get(self, key: bytes, parent: bytes | None) -> tuple[Record | None, bool]:
+        """(record, came from disk); a disk hit is promoted into the RAM tier."""
+        record = self.ram.get(key)
+        if record is not None:
+            return record, False
+        if self.store is None:
+            return None, False
+        record = self.store.get(key)
+        if record is None:
+            return None, False
+        self.ram.put(key, parent, record)
+        return record, True
+
+    def _put(self, key: bytes, parent: bytes | None, record: Record) -> None:
+        self._counters["records_stored"] += 1
+        self.ram.put(key, parent, record)
+
+    def _spill(self, key: Any, parent: Any, record: Record) -> None:
+        """RAM evicted a record: keep it on disk (once), if there is a disk tier."""
+        store = self.store
+        if store is None or store.contains(key):
+            return
+        store.put(key, parent, record)
+
+    def _discard(self, key: bytes) -> None:
+        self.ram.discard(key)
+        if self.store is not None:
+            self.store.discard(key)
+
+    def _remember_partial(self, point: BlockIdentity) -> None:
+        lengths = self._partials.setdefault(point.chained_from, set())
+        if len(point.tokens) not in lengths:
+            if self._partial_count >= _MAX_PARTIAL_POINTS:
+                self._partials.clear()  # rare; costs only partial hits until they come back
+                self._partial_count = 0
+                lengths = self._partials.setdefault(point.chained_from, set())
+            lengths.add(len(point.tokens))
+            self._partial_count += 1
+
+
+# ---- the reference driver ------------------------------------------------------------------------
+
+
+@dataclass
+class Prefilled:
+    """A prompt run through the model: the live cache, the last position's logits [1, vocab],
+    and what the prompt cache restored (None without a prompt cache)."""
+
+    cache: list
+    logits: Any
+    restored: Restored | None
+
+
+def prefill_with_cache(
+    model: Any,
+    tokens: Sequence[int],
+    prompt_cache: PromptCache | None,
+    extras: BlockExtras | None = None,
+    checkpoints: Sequence[int] = (),
+    max_kv_size: int | None = None,
+) -> Prefilled:
+    """Restore, prefill the rest in chunks that end on block boundaries, checkpoint, and return
+    the last position's logits: how an engine is meant to drive PromptCache, used by the tests,
+    the benchmark and single-process chat.
+
+    Checkpoints: every multiple of block_tokens, every position in `checkpoints` (message
+    boundaries), and len(tokens) - 1. That last one, not len(tokens), because a restore always
+    leaves one token to compute: a point at len - 1 serves both an exact repeat of this prompt
+    and the next turn, which extends it."""
+    import mlx.core as mx
+
+    tokens = list(tokens)
+    if not tokens:
+        raise ValueError("empty prompt")
+    step = prompt_cache.block_tokens if prompt_cache is not None else 256
+    if prompt_cache is None:
+        cache, position, restored = make_prompt_cache(model, max_kv_size=max_kv_size), 0, None
+    else:
+        restored = prompt_cache.restore(tokens, extras, max_kv_size=max_kv_size)
+        cache, position = restored.cache, restored.tokens
+    # The same chunking with and without a prompt cache, so the two differ only by the restore.
+    # The last token goes alone: only its logits are needed, and the model computes the output
+    # projection for every position of the chunk that produces them.
+    stops = set(range(step, len(tokens), step)) | {p for p in checkpoints if 0 < p < len(tokens)}
+    if len(tokens) > 1:
+        stops.add(len(tokens) - 1)
+    logits = None
+    for end in sorted(p for p in stops | {len(tokens)} if p > position):
+        output = model(mx.array([tokens[position:end]]), cache=cache)
+        if end == len(tokens):
+            logits = output[:, -1, :]
+            mx.eval(logits, [layer.state for layer in cache])
+        else:
+            mx.eval([layer.state for layer in cache])
+        position = end
+        if prompt_cache is not None and end < len(tokens):
+            prompt_cache.checkpoint(tokens[:end], cache, extras)
+    return Prefilled(cache=cache, logits=logits, restored=restored)
