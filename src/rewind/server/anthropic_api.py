@@ -18,7 +18,7 @@ from rewind.server.errors import ApiError, bad_request, error_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
 from rewind.server.streaming import SSE_HEADERS, Generation, sse_event
-from rewind.server.tool_parsing import OutputSplitter, Piece
+from rewind.server.tool_parsing import OutputSplitter, Piece, merge_pieces
 
 router = APIRouter()
 
@@ -196,7 +196,7 @@ async def messages(request: Request) -> Any:
     stop_reason, stop_sequence = _stop(generation)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": model,
-        "content": [_block(piece) for piece in pieces],
+        "content": [_block(piece) for piece in merge_pieces(pieces)],
         "stop_reason": stop_reason, "stop_sequence": stop_sequence,
         "usage": usage_json(generation.usage),
     })

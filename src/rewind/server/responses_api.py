@@ -232,6 +232,8 @@ async def responses(request: Request) -> Any:
                             max_tokens=max_tokens)
     splitter = OutputSplitter(runtime.output_format, parse_tools=bool(tools) and choice != "none",
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
+    if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
+        splitter.feed(messages[-1]["content"])
     handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
     generation = Generation(runtime, "responses", request, handle, splitter)
     response = {

@@ -154,7 +154,7 @@ class OutputSplitter:
             self._emit(self._buffer[:at], pieces)
             self._buffer = self._buffer[at + len(tag):]
             if self.state == "tool":
-                self._close_tool(pieces)
+                self._close_tool(pieces, tag)
             self.state = next_state
             self._trim_leading = True
 
@@ -165,7 +165,7 @@ class OutputSplitter:
         self._emit(self._buffer, pieces)
         self._buffer = ""
         if self.state == "tool":
-            self._close_tool(pieces)
+            self._close_tool(pieces, "")
             self.state = "content"
         return pieces
 
@@ -185,13 +185,13 @@ class OutputSplitter:
         else:
             pieces.append(Piece(kind, text))
 
-    def _close_tool(self, pieces: list[Piece]) -> None:
+    def _close_tool(self, pieces: list[Piece], end_tag: str) -> None:
         body, self._tool_body = self._tool_body, ""
         try:
             calls = parse_tool_calls(body, self.fmt, self.tools, self.id_prefix)
         except ValueError as exc:
             log.warning("%s; returned as text", exc)
-            pieces.append(Piece("content", self.fmt.tool_start + body))
+            pieces.append(Piece("content", self.fmt.tool_start + body + end_tag))
             return
         self.saw_tool_call = True
         pieces.extend(Piece("tool_call", tool_call=call) for call in calls)
@@ -206,6 +206,17 @@ def _held_back(text: str, tags: list[str]) -> int:
                 best = length
                 break
     return best
+
+
+def merge_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Consecutive text pieces of one kind as one (a whole answer's blocks / items)."""
+    merged: list[Piece] = []
+    for piece in pieces:
+        if merged and piece.kind != "tool_call" and merged[-1].kind == piece.kind:
+            merged[-1] = Piece(piece.kind, merged[-1].text + piece.text)
+        else:
+            merged.append(piece)
+    return merged
 
 
 def collect(pieces: list[Piece]) -> tuple[str, str, list[ToolCall]]:
