@@ -32,6 +32,8 @@ class Writer(Generic[Job]):
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._closed = threading.Event()
         self._dropping = False  # set by close(drain=False): remaining jobs are skipped
+        self._running = threading.Event()  # cleared by pause(): the thread waits between jobs
+        self._running.set()
         self.submitted = 0
         self.processed = 0
         self.dropped = 0
@@ -66,6 +68,13 @@ class Writer(Generic[Job]):
         self.submitted += 1
         return True
 
+    def pause(self) -> None:
+        """Hold jobs in the queue after the current one (disk busy elsewhere; tests)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every job submitted so far is handled; False on timeout."""
         if timeout is None:
@@ -87,6 +96,7 @@ class Writer(Generic[Job]):
             return
         self._dropping = not drain
         self._closed.set()
+        self._running.set()
         while True:  # the stop sentinel must get in even if the queue is full
             try:
                 self._queue.put(_STOP, timeout=_POLL_SECONDS)
@@ -109,6 +119,7 @@ class Writer(Generic[Job]):
     def _run(self) -> None:
         while True:
             job = self._queue.get()
+            self._running.wait()
             try:
                 if job is _STOP:
                     self._discard_rest()
