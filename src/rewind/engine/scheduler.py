@@ -192,23 +192,24 @@ class Scheduler:
     # ---- prefill ----------------------------------------------------------------------------
 
     def _chunk_end(self, seq: Sequence, start: int) -> int:
-        """Where the next model call ends: a 256 multiple (a checkpoint boundary when the prompt
-        cache is on), a requested checkpoint, or the prompt's end."""
+        """Where the next model call ends: the next 256 multiple, requested checkpoint, or the
+        prompt's last token but one; then the last token alone (only its logits are needed, and
+        the output projection costs as much as the rest of a small model). The chunking is the
+        same with and without a prompt cache, so the two differ only by what was restored."""
         total = len(seq.prompt)
-        step = BLOCK_TOKENS if self.prompt_cache is not None else self.config.prefill_chunk
-        end = min(total, (start // step + 1) * step)
-        extra = [p for p in seq.checkpoint_at if start < p < end]
-        return min(extra) if extra else end
+        stops = [(start // BLOCK_TOKENS + 1) * BLOCK_TOKENS, total - 1, total]
+        stops += [p for p in seq.checkpoint_at if p > start]
+        return min(p for p in stops if start < p <= total)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
-        """Up to config.prefill_chunk prompt tokens of one sequence; at the prompt's end, sample
-        its first token and move it to the decode batch."""
+        """Up to config.prefill_chunk prompt tokens of one sequence, checkpointing at each chunk
+        end; at the prompt's end, sample its first token and move it to the decode batch."""
         try:
             total = len(seq.prompt)
             if seq.prefilled >= total:
                 raise RuntimeError(f"nothing left to prefill ({seq.prefilled} of {total} cached)")
             budget_end = seq.prefilled + self.config.prefill_chunk
-            while seq.prefilled < total:
+            while True:
                 start, end = seq.prefilled, self._chunk_end(seq, seq.prefilled)
                 chunk = mx.array([seq.prompt[start:end]])
                 if end == total:
@@ -216,14 +217,12 @@ class Scheduler:
                     mx.eval(logits, [c.state for c in seq.cache])
                     seq.prefilled = end
                     self.counters.prefilled_tokens += end - start
-                    self._checkpoint(seq, end)
                     sampled = sample_rows([seq.sampler], logits)[0]
                     break
                 prefill(self.model, chunk, seq.cache)
                 seq.prefilled = end
                 self.counters.prefilled_tokens += end - start
-                if end % BLOCK_TOKENS == 0 or end in seq.checkpoint_at:
-                    self._checkpoint(seq, end)
+                self._checkpoint(seq, seq.prompt[:end], seq.cache)
                 if end >= budget_end:
                     return  # the rest in a later iteration: let the decode batch move
         except Exception as exc:
@@ -238,13 +237,14 @@ class Scheduler:
         else:
             seq.cache = None
 
-    def _checkpoint(self, seq: Sequence, end: int) -> None:
+    def _checkpoint(self, seq: Sequence, tokens: list[int], cache: list[Any]) -> None:
+        """Hand the prompt cache a checkpoint; `cache` holds exactly `tokens`."""
         if self.prompt_cache is None:
             return
         try:
-            self.prompt_cache.checkpoint(seq.prompt[:end], seq.cache, seq.request.extras)
+            self.prompt_cache.checkpoint(tokens, cache, seq.request.extras)
         except Exception:  # the cache is an optimisation: a failing checkpoint costs reuse only
-            log.exception("prompt-cache checkpoint at %d failed", end)
+            log.exception("prompt-cache checkpoint at %d failed", len(tokens))
 
     # ---- the decode batch -------------------------------------------------------------------
 
@@ -282,9 +282,28 @@ class Scheduler:
             return
         done = [i for i, (seq, sampled) in enumerate(zip(self.decoding, results))
                 if not self._on_token(seq, sampled)]
+        if self.prompt_cache is not None:
+            self._decode_checkpoints(set(done))
         self._leave_batch(done)
         if done:
             mx.clear_cache()
+
+    def _decode_checkpoints(self, finished_rows: set[int]) -> None:
+        """Checkpoint a decoding sequence every 256 tokens it holds and where it ends (the next
+        turn of a conversation usually re-sends this answer). A row's batch cache holds its
+        prompt and every generated token but the last, which is the next step's input."""
+        for row, seq in enumerate(self.decoding):
+            held = len(seq.prompt) + len(seq.generated) - 1
+            if held % BLOCK_TOKENS != 0 and row not in finished_rows:
+                continue
+            if held <= len(seq.prompt):
+                continue  # nothing beyond the prompt's own checkpoints
+            try:
+                single = [layer.extract(row) for layer in self.batch_cache or []]
+            except Exception:
+                log.exception("extracting row %d for a checkpoint failed", row)
+                continue
+            self._checkpoint(seq, seq.prompt + seq.generated[:-1], single)
 
     # ---- tokens out -------------------------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""The engine with a prompt cache: every request restores and checkpoints, and the cache never
+changes the answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from rewind.cache import PromptCache
+from rewind.config import CacheConfig, EngineConfig
+from rewind.engine import Engine, GenerationRequest, SamplingParams
+
+TIMEOUT = 120
+
+LONG_TEXT = (
+    "An agent reads a long conversation again and again, and each turn adds a tool result. "
+    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    return a\n"
+) * 8
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+@pytest.fixture
+def cache_config(tmp_path) -> CacheConfig:
+    return CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20)
+
+
+def test_second_identical_request_is_served_from_the_cache(tiny_loaded, tiny_family, cache_config):
+    loaded = tiny_loaded(tiny_family)
+    prompt = loaded.tokenizer.encode(LONG_TEXT)
+    assert len(prompt) > 300
+    with Engine(loaded, EngineConfig(parallel=2)) as engine:
+        uncached = engine.generate(GenerationRequest(prompt, greedy(10)), TIMEOUT)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, cache_config)
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            first = engine.generate(GenerationRequest(prompt, greedy(10)), TIMEOUT)
+            second = engine.generate(GenerationRequest(prompt, greedy(10)), TIMEOUT)
+            stats = engine.stats()
+    finally:
+        prompt_cache.close()
+    assert first.finish.usage.cached_tokens == 0
+    # A restore always leaves the last token to compute; the checkpoint at len - 1 covers the rest.
+    assert second.finish.usage.cached_tokens == len(prompt) - 1
+    assert second.finish.usage.cached_ram_tokens == len(prompt) - 1
+    assert second.finish.usage.restore_seconds > 0
+    assert first.tokens == uncached.tokens
+    assert second.tokens == uncached.tokens
+    assert stats["cached_tokens"] == len(prompt) - 1
+    assert stats["prefilled_tokens"] == 2 * len(prompt) - (len(prompt) - 1)
+
+
+def test_next_turn_restores_past_the_previous_answer(tiny_loaded, cache_config):
+    """The finish-time checkpoint covers prompt + answer, so a follow-up that re-sends the answer
+    computes only what is new, and still decodes exactly as without a cache."""
+    loaded = tiny_loaded("qwen3_5")  # recurrent layers: nothing can be rewound, only restored
+    tokenizer = loaded.tokenizer
+    turn1 = tokenizer.encode(LONG_TEXT)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, cache_config)
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            answer = engine.generate(GenerationRequest(turn1, greedy(12)), TIMEOUT)
+            turn2 = turn1 + answer.tokens + tokenizer.encode(" and one more question",
+                                                             add_special_tokens=False)
+            second = engine.generate(GenerationRequest(turn2, greedy(8)), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        reference = engine.generate(GenerationRequest(turn2, greedy(8)), TIMEOUT)
+    held_after_answer = len(turn1) + len(answer.tokens) - 1
+    assert second.finish.usage.cached_tokens == held_after_answer
+    assert second.tokens == reference.tokens
+
+
+def test_disk_tier_hit_after_ram_is_cleared(tiny_loaded, cache_config):
+    loaded = tiny_loaded("gemma3")
+    prompt = loaded.tokenizer.encode(LONG_TEXT)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=cache_config.cache_dir, disk_bytes=64 << 20,
+                                           ram_bytes=1))  # every record spills to disk at once
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            first = engine.generate(GenerationRequest(prompt, greedy(6)), TIMEOUT)
+            prompt_cache.flush()
+            second = engine.generate(GenerationRequest(prompt, greedy(6)), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    assert second.finish.usage.cached_tokens == len(prompt) - 1
+    assert second.finish.usage.cached_disk_tokens > 0
+    assert second.tokens == first.tokens
