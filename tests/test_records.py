@@ -1,0 +1,231 @@
+"""Records: a cache rebuilt from its records continues exactly as the original would."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import (
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+from mlx_lm.utils import load
+
+from rewind.cache import records as rec
+from rewind.cache.blocks import BlockChain, root_key
+
+ROOT = root_key("test", "layout")
+
+
+def _prompt(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def _feed(model, tokens: list[int], cache: list, chunk: int = 256) -> mx.array:
+    """Prefill in chunks ending on multiples of `chunk`; the last position's logits."""
+    position, logits = 0, None
+    while position < len(tokens):
+        end = min(len(tokens), (position // chunk + 1) * chunk)
+        logits = model(mx.array([tokens[position:end]]), cache=cache)[:, -1, :]
+        mx.eval(logits, [c.state for c in cache])
+        position = end
+    return logits
+
+
+def _decode(model, cache: list, first: int, steps: int) -> tuple[list[int], mx.array]:
+    token, tokens, rows = first, [], []
+    for _ in range(steps):
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+        rows.append(logits)
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+    out = mx.concatenate(rows)
+    mx.eval(out)
+    return tokens, out
+
+
+def _snapshot_all(tokens: list[int], cache: list) -> rec.RestoreParts:
+    """Every record a restore at len(tokens) needs, taken from the live cache."""
+    chain = BlockChain(tokens, ROOT)
+    point = chain.at(len(tokens))
+    blocks = [block for block in chain.full if block.end <= point.start]
+    blocks.append(point)  # a full point is the last full block itself
+    spine = [rec.snapshot_kv(cache, block, "x") for block in blocks]
+    return rec.RestoreParts(
+        end=len(tokens),
+        kv=spine,
+        window=rec.snapshot_window(cache, len(tokens)),
+        state=rec.snapshot_state(cache, len(tokens)),
+    )
+
+
+@pytest.fixture
+def tiny(tiny_model_path: Callable[[str], Path], tiny_family: str):
+    model, _ = load(str(tiny_model_path(tiny_family)))
+    return model
+
+
+@pytest.mark.parametrize("length", [512, 600])
+def test_rebuilt_cache_continues_bit_for_bit(tiny, length: int) -> None:
+    prompt, more = _prompt(length), _prompt(150, seed=1)
+    original = make_prompt_cache(tiny)
+    _feed(tiny, prompt, original)
+    parts = _snapshot_all(prompt, original)
+    rebuilt = rec.rebuild(make_prompt_cache(tiny), parts)
+    assert rec.cache_offset(rebuilt) == length
+    # A prefill chunk, then decode steps, on both: the same computation on the same arrays.
+    a = _feed_from(tiny, more, original)
+    b = _feed_from(tiny, more, rebuilt)
+    assert mx.array_equal(a, b)
+    tokens_a, logits_a = _decode(tiny, original, 7, 6)
+    tokens_b, logits_b = _decode(tiny, rebuilt, 7, 6)
+    assert tokens_a == tokens_b
+    assert mx.array_equal(logits_a, logits_b)
+
+
+def _feed_from(model, tokens: list[int], cache: list) -> mx.array:
+    logits = model(mx.array([tokens]), cache=cache)[:, -1, :]
+    mx.eval(logits)
+    return logits
+
+
+def test_kv_layers_are_preallocated_in_256_steps(tiny_model_path) -> None:
+    model, _ = load(str(tiny_model_path("llama")))
+    prompt = _prompt(600)
+    original = make_prompt_cache(model)
+    _feed(model, prompt, original)
+    rebuilt = rec.rebuild(make_prompt_cache(model), _snapshot_all(prompt, original))
+    for layer in rebuilt:
+        assert isinstance(layer, KVCache)
+        assert layer.offset == 600 and layer.keys.shape[2] == 768  # next multiple of 256
+    for ours, theirs in zip(rebuilt, original):
+        keys_a, values_a = ours.keys_and_values()
+        keys_b, values_b = theirs.keys_and_values()
+        assert mx.array_equal(keys_a, keys_b) and mx.array_equal(values_a, values_b)
+
+
+def test_window_taken_after_rotation_continues(tiny_model_path) -> None:
+    """Decode past the window (the rotating cache wraps around), snapshot, rebuild: the rows are
+    the same set in another order, so logits agree to float rounding and tokens exactly."""
+    model, _ = load(str(tiny_model_path("gemma3")))
+    prompt = _prompt(300)
+    original = make_prompt_cache(model)
+    logits = _feed(model, prompt, original)
+    generated, _ = _decode(model, original, int(mx.argmax(logits).item()), 10)
+    seen = prompt + [int(mx.argmax(logits).item())] + generated[:-1]
+    rotating = [c for c in original if isinstance(c, RotatingKVCache)]
+    assert rotating and all(c._idx < c.offset for c in rotating)  # wrapped around
+    parts = _snapshot_all(seen, original)
+    rebuilt = rec.rebuild(make_prompt_cache(model), parts)
+    tokens_a, logits_a = _decode(model, original, generated[-1], 8)
+    tokens_b, logits_b = _decode(model, rebuilt, generated[-1], 8)
+    assert tokens_a == tokens_b
+    assert mx.allclose(logits_a, logits_b, atol=1e-4, rtol=1e-4)
+    chunk = _prompt(100, seed=3)
+    assert mx.allclose(_feed_from(model, chunk, original), _feed_from(model, chunk, rebuilt), atol=1e-4, rtol=1e-4)
+
+
+def _random_rows(n: int, dim: int = 64, seed: int = 0) -> tuple[mx.array, mx.array]:
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    return mx.random.normal((1, 2, n, dim), key=k1), mx.random.normal((1, 2, n, dim), key=k2)
+
+
+def test_quantized_kv_deltas_round_trip() -> None:
+    live = [QuantizedKVCache(group_size=32, bits=4)]
+    for step, n in enumerate((256, 200, 100)):  # ends at 556: two full blocks and a partial one
+        live[0].update_and_fetch(*_random_rows(n, seed=step))
+    tokens = _prompt(556)
+    parts = _snapshot_all(tokens, live)
+    assert parts.window is None and parts.state is None
+    rebuilt = rec.rebuild([QuantizedKVCache(group_size=32, bits=4)], parts)
+    assert rebuilt[0].offset == 556 and rebuilt[0].keys[0].shape[2] == 768
+    ours, theirs = rebuilt[0].keys_and_values(), live[0].keys_and_values()
+    for x, y in zip([*ours[0], *ours[1]], [*theirs[0], *theirs[1]]):
+        assert mx.array_equal(x, y)
+    more = _random_rows(40, seed=9)
+    after_a = live[0].update_and_fetch(*more)
+    after_b = rebuilt[0].update_and_fetch(*more)
+    for x, y in zip([*after_a[0], *after_a[1]], [*after_b[0], *after_b[1]]):
+        assert mx.array_equal(x, y)
+
+
+def test_cache_list_with_keep_round_trips() -> None:
+    """A CacheList of a full-attention and a rotating cache that keeps its first 2 rows."""
+
+    def fresh() -> list:
+        return [CacheList(KVCache(), RotatingKVCache(max_size=16, keep=2))]
+
+    live = fresh()
+    for step, n in enumerate((256, 44)):
+        keys, values = _random_rows(n, dim=8, seed=step)
+        live[0][0].update_and_fetch(keys, values)
+        live[0][1].update_and_fetch(keys, values)
+    for step in range(5):  # and a few single rows: the rotating cache writes in place
+        keys, values = _random_rows(1, dim=8, seed=10 + step)
+        live[0][0].update_and_fetch(keys, values)
+        live[0][1].update_and_fetch(keys, values)
+    assert "0.0:KVCache;0.1:RotatingKVCache(max_size=16,keep=2)" == rec.describe_layout(live)
+    parts = _snapshot_all(_prompt(305), live)
+    rebuilt = rec.rebuild(fresh(), parts)
+    assert rebuilt[0][1].keys.shape[2] == 16
+    window = rebuilt[0][1].keys
+    first_rows = _random_rows(256, dim=8, seed=0)[0][..., :2, :]
+    assert mx.array_equal(window[..., :2, :], first_rows)  # the kept rows survive
+    for chunk in (30, 1, 1):
+        keys, values = _random_rows(chunk, dim=8, seed=100 + chunk)
+        a = live[0][1].update_and_fetch(keys, values)
+        b = rebuilt[0][1].update_and_fetch(keys, values)
+        # Same rows; the live cache may hold them rotated, so compare as sets of rows.
+        rows_a = np.sort(np.array(a[0]).reshape(-1, 8), axis=0)
+        rows_b = np.sort(np.array(b[0]).reshape(-1, 8), axis=0)
+        assert np.array_equal(rows_a, rows_b)
+        c = live[0][0].update_and_fetch(keys, values)
+        d = rebuilt[0][0].update_and_fetch(keys, values)
+        assert mx.array_equal(c[0], d[0]) and mx.array_equal(c[1], d[1])
+
+
+def test_records_are_copies_of_only_their_rows() -> None:
+    live = [KVCache()]
+    live[0].update_and_fetch(*_random_rows(600))
+    chain = BlockChain(_prompt(600), ROOT)
+    record = rec.snapshot_kv(live, chain.full[1], "x")
+    saved = np.array(record.arrays["0.k"])
+    assert record.arrays["0.k"].shape == (1, 2, 256, 64)
+    assert record.nbytes == 2 * 256 * 2 * 64 * 4 + 256 * 4  # K and V rows plus the tokens
+    # Overwrite the live buffer in place (what a trim and a new prefill do).
+    live[0].trim(400)
+    live[0].update_and_fetch(*_random_rows(300, seed=5))
+    assert np.array_equal(np.array(record.arrays["0.k"]), saved)
+
+
+def test_identity_check() -> None:
+    tokens = _prompt(600)
+    live = [KVCache()]
+    live[0].update_and_fetch(*_random_rows(600))
+    chain = BlockChain(tokens, ROOT)
+    record = rec.snapshot_kv(live, chain.full[1], "digest")
+    assert rec.verify_kv(record, chain.full[1], "digest")
+    assert not rec.verify_kv(record, chain.full[1], "other-images")
+    assert not rec.verify_kv(record, chain.full[0], "digest")  # another span
+    other = list(tokens)
+    other[300] += 1
+    assert not rec.verify_kv(record, BlockChain(other, ROOT).full[1], "digest")  # other tokens
+    other = list(tokens)
+    other[3] += 1
+    # Same block tokens, another prefix: chained from another key.
+    assert not rec.verify_kv(record, BlockChain(other, ROOT).full[1], "digest")
+
+
+def test_unsupported_cache_class_is_refused() -> None:
+    with pytest.raises(rec.UnsupportedCacheError):
+        rec.describe_layout([KVCache(), ChunkedKVCache(chunk_size=64)])
