@@ -106,21 +106,36 @@ def layout(record: Record) -> EncodedLayout:
     return EncodedLayout(header=header, size=len(header) + offset)
 
 
-def array_buffers(record: Record) -> Iterator[memoryview]:
-    """Each array's bytes in blob order, as flat byte views (copied only if not contiguous)."""
-    for array in record.arrays.values():
-        if array.dtype == mx.bfloat16:
-            array = array.view(mx.uint16)  # numpy has no bfloat16; the bits are what we keep
-        words = np.ascontiguousarray(np.asarray(array))
-        if words.dtype.byteorder == ">":  # never on the platforms MLX runs on; be exact anyway
-            words = words.astype(words.dtype.newbyteorder("<"))
-        yield memoryview(words.reshape(-1).view(np.uint8))
+def wire_arrays(record: Record) -> list[mx.array]:
+    """The arrays as the blob holds them: bfloat16 reinterpreted as its 16-bit words.
+
+    This is an MLX operation (lazy): run and evaluate it on the thread that drives MLX, so the
+    writer thread only reads finished buffers and never evaluates a graph concurrently.
+    """
+    return [
+        array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+        for array in record.arrays.values()
+    ]
+
+
+def array_buffers(words: list[mx.array]) -> Iterator[memoryview]:
+    """Flat byte views of evaluated wire arrays, in blob order (numpy only, any thread).
+
+    Strided arrays (slices, transposes) are copied into row order by numpy here.
+    """
+    for array in words:
+        flat = np.ascontiguousarray(np.asarray(array))
+        if flat.dtype.byteorder == ">":  # never on the platforms MLX runs on; be exact anyway
+            flat = flat.astype(flat.dtype.newbyteorder("<"))
+        yield memoryview(flat.reshape(-1).view(np.uint8))
 
 
 def encode_record(record: Record) -> bytes:
     """The record as one safetensors blob."""
     encoded = layout(record)
-    return b"".join([encoded.header, *array_buffers(record)])
+    words = wire_arrays(record)
+    mx.eval(words)
+    return b"".join([encoded.header, *array_buffers(words)])
 
 
 def decode_record(blob: bytes | bytearray | memoryview) -> Record:

@@ -37,6 +37,7 @@ from rewind.cache.serialize import (
     array_buffers,
     decode_record,
     layout,
+    wire_arrays,
 )
 from rewind.cache.writer import Writer
 
@@ -124,7 +125,8 @@ class Slot:
 @dataclass
 class _Pending:
     parent: Key | None
-    record: Record
+    record: Record  # what get() returns while the record waits for the disk
+    words: list[mx.array]  # its arrays as the blob holds them, evaluated
     layout: EncodedLayout
 
 
@@ -203,8 +205,10 @@ class ScratchStore:
         """
         if not self.enabled:
             return False
-        # The contract says evaluated; make sure, on the caller's thread, not the writer's.
-        mx.eval(list(record.arrays.values()))
+        # Every MLX operation (the bf16 reinterpretation, any evaluation still owed) happens
+        # here on the caller's thread; the writer thread only reads finished buffers.
+        words = wire_arrays(record)
+        mx.eval(words)
         encoded = layout(record)
         with self._lock:
             if not self.enabled:
@@ -215,7 +219,7 @@ class ScratchStore:
             if not self._lru.add(key, parent, encoded.size):
                 self._counts["rejected"] += 1
                 return False
-            self._pending[key] = _Pending(parent, record, encoded)
+            self._pending[key] = _Pending(parent, record, words, encoded)
             writer = self._writer
         if writer is None or not writer.submit(key):
             with self._lock:
@@ -346,7 +350,7 @@ class ScratchStore:
             if pending is None:
                 return  # evicted or dropped while queued
         try:
-            buffers = [memoryview(pending.layout.header), *array_buffers(pending.record)]
+            buffers = [memoryview(pending.layout.header), *array_buffers(pending.words)]
             hasher = xxhash.xxh3_128()
             for buffer in buffers:
                 hasher.update(buffer)
