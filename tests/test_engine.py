@@ -91,15 +91,19 @@ def test_sixteen_concurrent_requests_at_parallel_four_all_complete(tiny_loaded):
     assert stats["prompt_tokens"] == sum(len(p) for p in prompts)
 
 
-def test_cancel_frees_the_slot(tiny_loaded):
+def test_cancel_frees_the_slot_and_its_memory(tiny_loaded):
     loaded = tiny_loaded("llama")
+    long_prompt = loaded.tokenizer.encode(PROMPTS[3] * 3)  # ~1.5k tokens: ~1.5 MB of K/V
     prompt = loaded.tokenizer.encode("hello world")
     endless = greedy(max_tokens=100_000, logit_bias=no_eos(loaded))
     with Engine(loaded, EngineConfig(parallel=1)) as engine:
-        first = engine.submit(GenerationRequest(prompt, endless))
+        baseline = engine.stats()["mlx_active_bytes"]
+        first = engine.submit(GenerationRequest(long_prompt, endless))
         events = first.events(TIMEOUT)
         assert isinstance(next(events), TokenEvent)  # it holds the only slot now
+        holding = engine.stats()["mlx_active_bytes"]
         waiting = engine.submit(GenerationRequest(prompt, greedy(max_tokens=5)))
+        assert engine.stats()["queued"] == 1
         first.cancel()
         finish = [e for e in events if isinstance(e, FinishEvent)][0]
         assert finish.reason == "cancelled"
@@ -107,6 +111,9 @@ def test_cancel_frees_the_slot(tiny_loaded):
         assert done.finish.reason in ("length", "stop") and done.tokens
         stats = engine.stats()
     assert stats["running"] == 0 and stats["finish_reasons"]["cancelled"] == 1
+    kv_bytes = len(long_prompt) * 4 * 2 * 2 * 16 * 4  # tokens x layers x (k, v) x heads x dim x f32
+    assert holding - baseline >= kv_bytes
+    assert stats["mlx_active_bytes"] - baseline < kv_bytes // 4
 
 
 def test_queue_full_raises(tiny_loaded):
@@ -213,3 +220,18 @@ def test_a_failing_request_does_not_disturb_the_engine(tiny_loaded):
             engine.submit(GenerationRequest([], greedy()))
         with pytest.raises(InvalidRequestError):
             engine.submit(GenerationRequest(prompt, greedy(logit_bias={10**9: 1.0})))
+
+
+def test_penalties_and_bias_reach_the_model_output(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("hello world")
+    with Engine(loaded, EngineConfig(parallel=3)) as engine:
+        handles = [engine.submit(GenerationRequest(prompt, params)) for params in (
+            greedy(max_tokens=30, logit_bias=no_eos(loaded)),
+            greedy(max_tokens=30, logit_bias=no_eos(loaded), presence_penalty=1e4),
+            greedy(max_tokens=5, logit_bias={**no_eos(loaded), 42: 1e4}),
+        )]
+        plain, penalised, biased = (h.collect(TIMEOUT).tokens for h in handles)
+    assert len(set(plain)) < len(plain)  # the random model repeats itself...
+    assert len(set(penalised)) == len(penalised)  # ...unless every reuse costs 1e4
+    assert biased == [42] * 5
