@@ -9,12 +9,14 @@ import importlib
 WORKLOADS = {
     "speed": "rewind.bench.speed",
     "kv-append": "rewind.bench.kv_append",
+    "model-forms": "rewind.bench.model_forms",
     "prompt-cache": "rewind.bench.prompt_cache_bench",
     "agentic": "rewind.bench.agentic",
     "multi-round-qa": "rewind.bench.multi_round_qa",
     "parallel-chat": "rewind.bench.parallel_chat",
     "long-prompts-memory": "rewind.bench.long_prompts_memory",
     "repeated-image": "rewind.bench.repeated_image",
+    "disk-tier": "rewind.bench.disk_tier",
 }
 
 
