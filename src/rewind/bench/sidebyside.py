@@ -113,9 +113,14 @@ def calibrate_prefill(run_server: ServerProcess, tokens: int, seed: int) -> floa
 
 def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                 options_for: Callable[[str], ServerOptions], workload: WorkloadFn,
-                calibrate_tokens: int, log_dir: Path) -> tuple[list[dict[str, Any]],
+                calibrate_tokens: int, log_dir: Path,
+                settle_s: float = 0.0) -> tuple[list[dict[str, Any]],
                                                                 dict[str, Any], list[str]]:
     """Runs `workload` on each server for each repeat. Returns (records, per-run info, notes).
+
+    `names` are labels: a server name, optionally with a variant after '@' ("rewind@p1"), which
+    `options_for(label)` turns into that run's options. `calibrate_tokens=0` skips the cold
+    prefill calibration (memory runs, where its cache would count as the workload's RAM).
 
     Servers that cannot run here are skipped with a note, so one missing baseline does not
     lose the others' numbers.
@@ -135,7 +140,8 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             if name in skipped:
                 continue
             try:
-                server = build_server(name, model, options_for(name), free_port(), log_dir)
+                server = build_server(server_of(name), model, options_for(name), free_port(),
+                                      log_dir)
             except ServerUnavailable as exc:
                 skipped.add(name)
                 notes.append(f"{name} skipped: {exc}")
@@ -152,12 +158,16 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                            [{"role": "user", "content": "Say hello."}], max_tokens=2,
                            model=server.model_id or "default")
                 sampler.mark("loaded")
-                prefill_tps = calibrate_prefill(server, calibrate_tokens, seed=10_000 + repeat)
+                prefill_tps = (calibrate_prefill(server, calibrate_tokens, seed=10_000 + repeat)
+                               if calibrate_tokens > 0 else None)
+                sampler.mark("before run")
                 started = time.monotonic()
                 run = ServerRun(name, repeat, server, sampler, prefill_tps)
                 for record in workload(run):
                     records.append({"server": name, "repeat": repeat, **record})
                 sampler.mark("after run")
+                time.sleep(settle_s)  # background writers finish, freed memory is returned
+                sampler.mark("settled")
                 runs[f"{name}#{repeat}"] = {
                     "server": name, "repeat": repeat, "ready_s": ready_s,
                     "prefill_tps": prefill_tps, "workload_s": time.monotonic() - started,
@@ -178,6 +188,11 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                 sampler.stop()
                 server.stop()
     return records, runs, notes
+
+
+def server_of(label: str) -> str:
+    """'rewind@p1' -> 'rewind'."""
+    return label.split("@", 1)[0]
 
 
 def out_stem(workload: str, quick: bool) -> str:
