@@ -1,0 +1,365 @@
+"""`rewind generate`: one prompt in, streamed text out (optionally from a saved prompt cache).
+
+The pieces that `rewind chat` and `rewind cache-prompt` share with it live here too: loading a
+model with a clear error, the sampling and cache-shape options, building a cache, the reply stream
+and the --verbose report. Generation is a small loop of its own (mlx-lm's generate_step in spirit: logits only for the
+last prompt token, the next step queued with async_eval before the current token is read) so
+that callers know exactly which tokens the cache holds and can checkpoint at block boundaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MODEL = "default"
+PREFILL_CHUNK = 512  # tokens per forward pass in prefill (a multiple of BLOCK_TOKENS)
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, no traceback, non-zero exit."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Options shared with `rewind chat` and `rewind cache-prompt`
+
+
+def add_model_arg(parser: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL) -> None:
+    parser.add_argument("--model", default=default,
+                        help=f"registry name or model folder (default: {default})")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p * max")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def add_cache_shape_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                        help="keep a rotating KV cache of the last N tokens")
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                        help="quantize the full-attention KV cache to this many bits")
+    parser.add_argument("--kv-group-size", type=int, default=64,
+                        help="group size of KV cache quantization (default 64)")
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise UserError("--max-tokens must be at least 1")
+    if args.temp < 0:
+        raise UserError("--temp must be >= 0")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UserError("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise UserError("--top-k must be >= 0")
+    if not 0.0 <= args.min_p <= 1.0:
+        raise UserError("--min-p must be in [0, 1]")
+    if getattr(args, "max_kv_size", None) is not None and args.max_kv_size < 1:
+        raise UserError("--max-kv-size must be at least 1")
+
+
+def make_sampler_from(args: argparse.Namespace) -> Any:
+    from mlx_lm.sample_utils import make_sampler
+
+    return make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and cache
+
+
+def load_or_explain(name_or_path: str) -> Any:
+    """rewind.models.loader.load_model, with a missing or broken model turned into a UserError."""
+    from rewind.models.loader import load_model
+
+    try:
+        from rewind.models.registry import ModelNotFoundError
+    except ImportError:  # the registry is not built yet: the loader raises FileNotFoundError
+        ModelNotFoundError = FileNotFoundError  # noqa: N806
+    try:
+        return load_model(name_or_path)
+    except (ModelNotFoundError, FileNotFoundError) as exc:
+        raise UserError(str(exc) or f"model not found: {name_or_path}") from exc
+    except ValueError as exc:  # mlx-lm: unsupported model type, missing weights, bad config
+        raise UserError(f"cannot load model {name_or_path!r}: {exc}") from exc
+
+
+def new_cache(model: Any, max_kv_size: int | None, kv_bits: int | None,
+              kv_group_size: int = 64) -> list[Any]:
+    """A fresh per-layer cache. With kv_bits, every full-attention KVCache starts quantized.
+
+    mlx-lm quantizes only once the cache reaches a start offset and fails on sliding-window
+    layers (RotatingKVCache has no quantized form); quantizing the full-attention layers from
+    the first token works for every family and keeps a cache file's classes fixed.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    if kv_bits is not None:
+        cache = [layer.to_quantized(group_size=kv_group_size, bits=kv_bits)
+                 if type(layer) is KVCache else layer for layer in cache]
+    return cache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reuse_cache(cache: list[Any], cached: Sequence[int], wanted: Sequence[int]) -> int:
+    """Make `cache` (which holds `cached`) hold a prefix of `wanted`, leaving at least one token
+    of `wanted` to compute. Returns that prefix's length, or -1 when the cache cannot be cut back
+    to it (sliding-window past its window, recurrent state): the caller must start afresh."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    keep = min(common_prefix(cached, wanted), len(wanted) - 1)
+    if keep == len(cached):
+        return keep
+    if keep <= 0 or not can_trim_prompt_cache(cache):
+        return -1
+    trim_prompt_cache(cache, len(cached) - keep)
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def read_prompt(text: str) -> str:
+    """`-` reads the prompt from stdin; `\\n` and `\\t` escapes are expanded (as mlx-lm does)."""
+    if text == "-":
+        return sys.stdin.read()
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of `text`, as a raw prompt or as one user message in the chat template."""
+    if not chat:
+        return list(tokenizer.encode(text))
+    if not tokenizer.has_chat_template:
+        raise UserError("--chat: this model's tokenizer has no chat template")
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True))
+
+
+def encode_prefix(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt's beginning: in chat form, the user message left open so that
+    more text can follow it (what `cache-prompt --chat` stores)."""
+    if not chat:
+        return list(tokenizer.encode(text))
+    if not tokenizer.has_chat_template:
+        raise UserError("--chat: this model's tokenizer has no chat template")
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=False,
+                                              continue_final_message=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reply stream and its report
+
+
+@dataclass
+class ReplyStats:
+    prompt_tokens: int = 0  # computed in this call
+    cached_tokens: int = 0  # taken from a cache instead
+    prompt_seconds: float = 0.0  # until the first generated token
+    generation_tokens: int = 0
+    generation_seconds: float = 0.0
+    finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
+    peak_memory_bytes: int = 0
+
+
+def prefill(model: Any, tokens: Sequence[int], cache: list[Any], start: int = 0,
+            on_boundary: Callable[[int], None] | None = None) -> None:
+    """Feed `tokens` into `cache` (which already holds `start` tokens) without computing logits,
+    in chunks that end on multiples of BLOCK_TOKENS; `on_boundary(n)` runs whenever the cache
+    holds exactly n = a multiple of BLOCK_TOKENS tokens (where prompt-cache checkpoints go)."""
+    import mlx.core as mx
+
+    from rewind.config import BLOCK_TOKENS
+    from rewind.engine.forward import prefill as forward_prefill
+
+    position, end = start, start + len(tokens)
+    while position < end:
+        # The last boundary within PREFILL_CHUNK tokens, or the next one if that is further.
+        next_boundary = (position // BLOCK_TOKENS + 1) * BLOCK_TOKENS
+        stop = min(end, max(next_boundary,
+                            (position + PREFILL_CHUNK) // BLOCK_TOKENS * BLOCK_TOKENS))
+        chunk = tokens[position - start:stop - start]
+        forward_prefill(model, mx.array(list(chunk))[None], cache)
+        position = stop
+        if on_boundary is not None and position % BLOCK_TOKENS == 0:
+            on_boundary(position)
+        mx.clear_cache()
+
+
+def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[Any],
+                 sampler: Any, max_tokens: int, stats: ReplyStats,
+                 fed: list[int] | None = None,
+                 on_boundary: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Yield the reply's text as it comes. `cache` holds len(fed) tokens before `tokens`;
+    every token fed to the model is appended to `fed`, so afterwards `fed` lists exactly what
+    the cache holds (the prompt, and generated tokens up to one past the last yielded one,
+    since the next step is queued before the current token is read). Fills `stats`."""
+    import mlx.core as mx
+
+    fed = [] if fed is None else fed
+    if not tokens:
+        raise UserError("the prompt is empty")
+    eos = set(tokenizer.eos_token_ids)
+    started = time.perf_counter()
+    stats.prompt_tokens = len(tokens)
+    prefill(model, tokens[:-1], cache, start=len(fed), on_boundary=on_boundary)
+
+    def step(token: mx.array) -> mx.array:
+        logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    current = step(mx.array(tokens[-1]))
+    fed.extend(tokens)
+    mx.async_eval(current)
+    detokenizer = tokenizer.detokenizer
+    generation_started = started
+    stats.finish_reason = "length"
+    for n in range(max_tokens):
+        upcoming = None
+        if n + 1 < max_tokens:
+            # Queue the next step before reading this token: the model runs while Python waits.
+            upcoming = step(current)
+            mx.async_eval(upcoming)
+        token = int(current.item())
+        if upcoming is not None:
+            fed.append(token)
+        if n == 0:
+            generation_started = time.perf_counter()
+            stats.prompt_seconds = generation_started - started
+        if token in eos:
+            stats.finish_reason = "stop"
+            break
+        stats.generation_tokens += 1
+        detokenizer.add_token(token)
+        segment = detokenizer.last_segment  # reading it consumes it
+        if segment:
+            yield segment
+        if upcoming is None:
+            break
+        current = upcoming
+    detokenizer.finalize()
+    segment = detokenizer.last_segment
+    if segment:
+        yield segment
+    # The first token comes from the prompt pass: generation speed counts the tokens after it.
+    stats.generation_seconds = time.perf_counter() - generation_started
+    stats.peak_memory_bytes = mx.get_peak_memory()
+
+
+def print_report(stats: ReplyStats, out: Any = sys.stderr) -> None:
+    from rewind.blas import status
+
+    def rate(tokens: int, seconds: float) -> str:
+        return f"{tokens / seconds:.1f} tokens/s" if seconds > 0 else "n/a"
+
+    cached = f" (+{stats.cached_tokens} from cache)" if stats.cached_tokens else ""
+    print("=" * 10, file=out)
+    print(f"Prompt: {stats.prompt_tokens} tokens{cached}, "
+          f"{rate(stats.prompt_tokens, stats.prompt_seconds)}", file=out)
+    print(f"Generation: {stats.generation_tokens} tokens, "
+          f"{rate(stats.generation_tokens, stats.generation_seconds)}", file=out)
+    print(f"Peak memory: {stats.peak_memory_bytes / 1e9:.3f} GB", file=out)
+    print(status(), file=out)
+
+
+def fail(message: str) -> int:
+    print(f"rewind: error: {message}", file=sys.stderr)
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text from one prompt",
+        description="Stream a model's continuation of a prompt to stdout.")
+    add_model_arg(parser, default=None)
+    parser.add_argument("--prompt", required=True, help="the prompt ('-' reads stdin)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message in the chat template")
+    add_sampling_args(parser)
+    add_cache_shape_args(parser)
+    parser.add_argument("--prompt-cache-file", metavar="FILE", default=None,
+                        help="start from a cache saved by `rewind cache-prompt`; the prompt "
+                             "continues the cached one")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print speed, peak memory and BLAS status to stderr")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except UserError as exc:
+        return fail(str(exc))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from rewind.commands.cache_prompt import load_cache_file, read_cache_metadata
+
+    check_sampling_args(args)
+    prompt = read_prompt(args.prompt)
+    saved = read_cache_metadata(args.prompt_cache_file) if args.prompt_cache_file else None
+    model_name = args.model or (saved.model if saved else DEFAULT_MODEL)
+    loaded = load_or_explain(model_name)
+    tokenizer = loaded.tokenizer
+
+    stats = ReplyStats()
+    if saved is None:
+        tokens = encode_prompt(tokenizer, prompt, args.chat)
+        cache = new_cache(loaded.model, args.max_kv_size, args.kv_bits, args.kv_group_size)
+        done = 0
+    else:
+        if saved.chat != args.chat:
+            made = "with" if saved.chat else "without"
+            raise UserError(f"{args.prompt_cache_file} was made {made} --chat; "
+                            f"use generate {made} --chat")
+        saved.check_shape(args.max_kv_size, args.kv_bits)
+        cache, cached_tokens = load_cache_file(args.prompt_cache_file, loaded.fingerprint)
+        tokens = encode_prompt(tokenizer, saved.text + prompt, args.chat)
+        done = reuse_cache(cache, cached_tokens, tokens)
+        if done < 0:
+            # The tokenizer merged across the join into something the cache cannot be cut back
+            # to: correctness first, recompute the whole prompt.
+            print("rewind: note: the prompt does not extend the cached tokens; recomputing",
+                  file=sys.stderr)
+            cache = new_cache(loaded.model, saved.max_kv_size, saved.kv_bits,
+                              saved.kv_group_size)
+            done = 0
+    stats.cached_tokens = done
+
+    if args.seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(args.seed)
+    sampler = make_sampler_from(args)
+    fed = list(tokens[:done])
+    for text in stream_reply(loaded.model, tokenizer, tokens[done:], cache, sampler,
+                             args.max_tokens, stats, fed):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.verbose:
+        print_report(stats)
+    return 0
