@@ -22,6 +22,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable
@@ -43,6 +44,11 @@ from rewind.cache.writer import Writer
 
 Key = Hashable
 log = logging.getLogger(__name__)
+
+# Errors that mean "the device (or this process's file-size limit) holds no more": the file
+# then stops growing and later records make room by evicting, until this many seconds pass.
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_FULL_RETRY_SECONDS = 60.0
 
 
 class FreeList:
@@ -169,6 +175,8 @@ class ScratchStore:
         self._slots: dict[Key, Slot] = {}
         self._pending: dict[Key, _Pending] = {}
         self._free = FreeList()
+        self._file_limit = budget_bytes  # lowered to what the disk took when it is full
+        self._file_limit_until = 0.0  # when a lowered limit may be tried higher again
         self._lru = ChainLRU(max(budget_bytes, 0), on_evict=self._on_evict)
         self._counts = {
             "hits": 0,
@@ -180,6 +188,7 @@ class ScratchStore:
             "read_errors": 0,
             "rejected": 0,  # larger than the budget allows, or refused after close
             "no_space": 0,  # the file could not make room within the budget
+            "disk_full": 0,  # writes refused by the device (ENOSPC, EDQUOT, EFBIG)
         }
         self.last_error: str | None = None
         self._fd = -1
@@ -207,9 +216,15 @@ class ScratchStore:
             return False
         # Every MLX operation (the bf16 reinterpretation, any evaluation still owed) happens
         # here on the caller's thread; the writer thread only reads finished buffers.
-        words = wire_arrays(record)
-        mx.eval(words)
-        encoded = layout(record)
+        try:
+            words = wire_arrays(record)
+            mx.eval(words)
+            encoded = layout(record)
+        except Exception as error:  # noqa: BLE001 - an unstorable record is only not stored
+            with self._lock:
+                self._counts["rejected"] += 1
+                self.last_error = f"cannot encode record: {error!r}"
+            return False
         with self._lock:
             if not self.enabled:
                 return False
@@ -320,6 +335,7 @@ class ScratchStore:
                 "budget_bytes": self.budget_bytes,
                 "evictions": self._lru.evictions,
                 "file_bytes": self._free.end,
+                "file_limit": self._file_limit,
                 "free_bytes": self._free.free_bytes,
                 "last_error": self.last_error,
                 **self._counts,
@@ -388,6 +404,12 @@ class ScratchStore:
         except OSError as error:
             with self._lock:
                 self._release(offset, size)
+                if error.errno in _FULL_ERRNOS:
+                    # Keep the file where the device stopped it; newer records now evict
+                    # older ones, as with a smaller budget, instead of failing one by one.
+                    self._counts["disk_full"] += 1
+                    self._file_limit = min(self._file_limit, self._free.end)
+                    self._file_limit_until = time.monotonic() + _FULL_RETRY_SECONDS
                 self._fail(key, f"write {size} bytes at {offset}: {error}")
             return
         with self._lock:
@@ -402,11 +424,13 @@ class ScratchStore:
     # ---- internals (called with the lock held) -----------------------------------------
     def _allocate(self, size: int, key: Key) -> int | None:
         """A range of `size` bytes inside the budget, evicting LRU leaves (never `key`'s chain)."""
+        if self._file_limit < self.budget_bytes and time.monotonic() >= self._file_limit_until:
+            self._file_limit = self.budget_bytes  # the disk may have room again: try
         while True:
             offset = self._free.take_hole(size)
             if offset is not None:
                 return offset
-            if self._free.end + size <= self.budget_bytes:
+            if self._free.end + size <= self._file_limit:
                 return self._free.append(size)
             if self._lru.evict_one(protect=key) is None:
                 return None
