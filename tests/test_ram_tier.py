@@ -202,3 +202,24 @@ def test_ram_tier_with_no_room_spills_everything(budget: int) -> None:
     tier = RamTier(budget, spill=lambda k, p, r: spilled.append(k))
     assert not tier.put("a", None, record_of(8))
     assert spilled == ["a"] and tier.get("a") is None
+
+
+def test_ram_tier_spills_into_the_disk_tier_and_reads_back(tmp_path) -> None:
+    from rewind.cache.store import ScratchStore
+
+    store = ScratchStore(tmp_path, 1 << 20)
+    try:
+        tier = RamTier(3 * 1000, spill=store.put)
+        records = {i: record_of(1000, i) for i in range(8)}
+        for key, record in records.items():
+            tier.put(key, key - 1 if key else None, record)
+        store.flush(timeout=30)
+        in_ram = [k for k in records if tier.contains(k)]
+        on_disk = [k for k in records if store.contains(k)]
+        assert len(in_ram) == 3 and sorted(in_ram + on_disk) == list(records)
+        for key in on_disk:
+            got = store.get(key)
+            assert got is not None and got.meta == records[key].meta
+            assert bool(mx.array_equal(got.arrays["data"], records[key].arrays["data"]))
+    finally:
+        store.close()
