@@ -223,3 +223,21 @@ def test_ram_tier_spills_into_the_disk_tier_and_reads_back(tmp_path) -> None:
             assert bool(mx.array_equal(got.arrays["data"], records[key].arrays["data"]))
     finally:
         store.close()
+
+
+def test_a_failing_spill_loses_the_record_not_the_put() -> None:
+    def broken_spill(key, parent, record) -> None:
+        raise OSError("disk tier gone")
+
+    tier = RamTier(100, spill=broken_spill)
+    tier.put("a", None, record_of(80))
+    assert tier.put("b", None, record_of(80))  # evicts a into the broken spill
+    assert tier.contains("b") and not tier.contains("a")
+    assert tier.stats()["spill_errors"] == 1 and tier.stats()["spilled"] == 0
+
+
+def test_an_entry_naming_itself_as_parent_stays_evictable() -> None:
+    lru = ChainLRU(100)
+    lru.add("self", "self", 60)
+    assert lru.add("other", None, 60)
+    assert "self" not in lru

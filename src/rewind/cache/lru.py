@@ -105,6 +105,8 @@ class ChainLRU:
             return True
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if parent == key:
+            parent = None  # its own parent would make it a permanent non-leaf
         ancestors = self.chain_bytes(parent) if parent is not None else 0
         if ancestors + nbytes > self.budget_bytes:
             return False

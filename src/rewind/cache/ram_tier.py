@@ -6,6 +6,7 @@ run after the tier's lock is released, because the disk tier may block on its wr
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Hashable
 
@@ -13,6 +14,7 @@ from rewind.cache.lru import ChainLRU
 from rewind.cache.serialize import Record
 
 Key = Hashable
+log = logging.getLogger(__name__)
 SpillCallback = Callable[[Key, "Key | None", Record], object]
 
 
@@ -29,6 +31,7 @@ class RamTier:
         self._misses = 0
         self._rejected = 0
         self._spilled = 0
+        self._spill_errors = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -111,6 +114,7 @@ class RamTier:
                 "evictions": self._lru.evictions,
                 "rejected": self._rejected,
                 "spilled": self._spilled,
+                "spill_errors": self._spill_errors,
             }
 
     # ---- internals ---------------------------------------------------------------------
@@ -126,6 +130,12 @@ class RamTier:
         if self.spill is None:
             return
         for key, parent, record in spills:
-            self.spill(key, parent, record)
+            try:
+                self.spill(key, parent, record)
+            except Exception:  # noqa: BLE001 - a failing disk tier costs the record, not the put
+                log.exception("spilling a record to the disk tier failed")
+                with self._lock:
+                    self._spill_errors += 1
+                continue
             with self._lock:
                 self._spilled += 1
