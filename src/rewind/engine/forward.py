@@ -1,22 +1,106 @@
 """Model steps for the engine: advance a cache without logits, or get the last position's logits.
 
 Computing the 262k-word output projection for every prompt position, when only the last one is
-sampled, is most of a prefill's cost on small models; these functions avoid it.
+sampled, is most of a prefill's cost on small models (Gemma 3 270M: 168M of its 270M parameters
+are the tied output projection). These functions run the model's backbone (embeddings + layers +
+final norm) on all positions and its output head on the last position only.
+
+mlx-lm model classes do not expose that split, so `split_model` knows the families whose
+`Model.__call__` is exactly "backbone, then head" and returns None for others; those fall back to
+the full model call (correct, just slower).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
+# model_type values whose top-level __call__ is `self.model(...)` followed by the output head
+# (tied embedding `as_linear` or `lm_head`) and nothing else (no soft-capping, no logit scale).
+# Checked against mlx-lm 0.32's model files; add a family only after reading its Model.__call__.
+_BACKBONE_THEN_HEAD = frozenset({"llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5"})
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    backbone: Callable[..., mx.array]  # (tokens [B,T], cache=list) -> hidden states [B,T,H]
+    head: Callable[[mx.array], mx.array]  # hidden states [..., H] -> logits [..., vocab]
+
+
+def _text_model(model: Any) -> Any:
+    """The module that owns `model` (backbone) and the head: vision-language wrappers such as
+    qwen3_5's keep it under `language_model`."""
+    inner = getattr(model, "language_model", None)
+    return inner if inner is not None and hasattr(inner, "model") else model
+
+
+def _is_tied(text_model: Any) -> bool:
+    # gemma3_text decides at load time (sanitize) and stores it on the instance; the others keep
+    # it in their args.
+    if "lm_head" in text_model:
+        return False
+    if hasattr(text_model, "tie_word_embeddings"):
+        return bool(text_model.tie_word_embeddings)
+    return bool(getattr(getattr(text_model, "args", None), "tie_word_embeddings", True))
+
+
+def split_model(model: Any) -> ModelSplit | None:
+    """(backbone, head) of a known family, or None when the model's call does more than that."""
+    cached = getattr(model, "_rewind_split", None)
+    if cached is not None:
+        return cached or None
+    text_model = _text_model(model)
+    model_type = getattr(getattr(text_model, "args", None), "model_type", None)
+    split: ModelSplit | None = None
+    if model_type in _BACKBONE_THEN_HEAD and hasattr(text_model, "model"):
+        backbone = text_model.model
+        head = backbone.embed_tokens.as_linear if _is_tied(text_model) else text_model.lm_head
+        split = ModelSplit(backbone=backbone, head=head)
+    # Cached on the instance (outside the parameter tree: nn.Module stores public attributes as
+    # children, so this uses object.__setattr__); False marks "no split known".
+    object.__setattr__(model, "_rewind_split", split or False)
+    return split
+
+
+def forget_split(model: Any) -> None:
+    """Call after replacing a model's head (e.g. the loader's fast head) so it is looked up again."""
+    if "_rewind_split" in model.__dict__:
+        object.__delattr__(model, "_rewind_split")
+
+
+def hidden_states(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array | None:
+    """Backbone output [B, T, H] for tokens [B, T], or None for a family without a known split."""
+    split = split_model(model)
+    return None if split is None else split.backbone(tokens, cache=cache)
+
 
 def prefill(model: Any, tokens: mx.array, cache: list[Any]) -> None:
-    """Run tokens [B, T] through the model to fill `cache`; no logits are computed."""
-    model(tokens, cache=cache)
+    """Run tokens [B, T] through the model to fill `cache`; no logits are computed.
+
+    Only the cache state is evaluated: MLX is lazy, so the final norm of the unused hidden states
+    never runs either.
+    """
+    split = split_model(model)
+    if split is None:
+        model(tokens, cache=cache)
+    else:
+        split.backbone(tokens, cache=cache)
     mx.eval([c.state for c in cache])
 
 
 def last_logits(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
-    """Logits [B, vocab] of the last position of tokens [B, T]."""
-    return model(tokens, cache=cache)[:, -1, :]
+    """Logits [B, vocab] of the last position of tokens [B, T].
+
+    Lazy with MLX's head; with a CPU fast head (rewind.engine.fast_head) the backbone is
+    evaluated here and the logits come back materialized.
+    """
+    split = split_model(model)
+    if split is None:
+        return model(tokens, cache=cache)[:, -1, :]
+    hidden = split.backbone(tokens, cache=cache)
+    # The loader's CPU head (bf16/int8 weights read by a C kernel) when one is installed.
+    head = model.__dict__.get("_rewind_fast_head") or split.head
+    return head(hidden[:, -1, :])

@@ -48,11 +48,65 @@ def resolve(name_or_path: str) -> Path:
     return path
 
 
-def load_model(name_or_path: str) -> LoadedModel:
+# REWIND_CPU_HEAD=bf16|int8|off chooses the CPU decode head (rewind.engine.fast_head).
+CPU_HEAD_ENV = "REWIND_CPU_HEAD"
+DEFAULT_CPU_HEAD = "bf16"
+
+
+def is_cpu_backend() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def compute_dtype() -> Any:
+    """float32 on CPU (only float32 matmuls reach OpenBLAS; MLX's own bf16/fp16/quantized CPU
+    kernels are several times slower), bfloat16 on Metal and CUDA (half the bytes per token)."""
+    import mlx.core as mx
+
+    return mx.float32 if is_cpu_backend() else mx.bfloat16
+
+
+def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None) -> Any:
+    """Set the model's compute dtype for this backend, in place.
+
+    CPU: quantized layers are dequantized (MLX's CPU quantized matmul is no faster than float32
+    through BLAS, so keeping them packed saves memory but costs speed), floats become float32, and
+    the output projection gets a bf16/int8 copy read by a C kernel for decode (see
+    rewind.engine.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become bfloat16;
+    quantized layers stay quantized (the GPU kernels for them are fast).
+    """
+    import os
+
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    target = dtype or compute_dtype()
+    on_cpu = is_cpu_backend()
+    if on_cpu and target == mx.float32:
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+    model.update(tree_map(lambda value: value.astype(target)
+                          if mx.issubdtype(value.dtype, mx.floating) else value, model.parameters()))
+    mx.eval(model.parameters())
+    head_form = cpu_head or os.environ.get(CPU_HEAD_ENV) or DEFAULT_CPU_HEAD
+    if on_cpu and head_form != "off":
+        from rewind.engine.fast_head import install_fast_head
+
+        install_fast_head(model, head_form)  # type: ignore[arg-type]
+    return model
+
+
+def load_model(name_or_path: str, *, dtype: Any | None = None,
+               cpu_head: str | None = None) -> LoadedModel:
+    """Load a model folder or registry name, ready to compute on this backend (see
+    prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
     from mlx_lm.utils import load
 
     path = resolve(name_or_path)
     model, tokenizer = load(str(path))
+    prepare_for_backend(model, dtype, cpu_head)
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path))

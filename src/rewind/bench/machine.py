@@ -1,0 +1,72 @@
+"""The machine a benchmark ran on, recorded in every results file: CPU, cores, memory, BLAS,
+MLX backend and versions, and the load average (other processes on a small machine move the
+figures, so a result says how busy the machine was)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        import psutil
+
+        return round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        return None
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts about this machine and process; call it after the measurement (for the load)."""
+    from rewind import blas
+
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "arch": platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": sys.version.split()[0],
+        "blas": blas.status(),
+        "openblas_preloaded": blas.openblas_active(),
+        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "mlx": _version("mlx"),
+        "mlx_lm": _version("mlx-lm"),
+    }
+    try:
+        import mlx.core as mx
+
+        info["mlx_device"] = str(mx.default_device())
+    except ImportError:
+        info["mlx_device"] = None
+    if hasattr(os, "getloadavg"):
+        info["load_average_1_5_15"] = [round(value, 2) for value in os.getloadavg()]
+    return info
+
+
+def machine_markdown(info: dict[str, Any]) -> str:
+    """A short Markdown list of the machine facts."""
+    return "\n".join(f"- {key}: {value}" for key, value in info.items())
