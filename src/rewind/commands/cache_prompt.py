@@ -26,10 +26,10 @@ from rewind.commands.generate import (
     fail,
     load_or_explain,
     new_cache,
+    prefill,
 )
 
 FORMAT = "rewind-prompt-cache/1"
-PREFILL_CHUNK = 512  # tokens per forward pass while filling the cache
 
 
 @dataclass
@@ -123,17 +123,6 @@ def load_cache_file(path: str, fingerprint: str) -> tuple[list[Any], list[int]]:
                         f"{saved.fingerprint[:12]}); this one's is {fingerprint[:12]}. "
                         f"Remake it with `rewind cache-prompt` for this model.")
     return cache, saved.tokens
-
-
-def prefill(model: Any, tokens: list[int], cache: list[Any]) -> None:
-    """Fill `cache` with `tokens`, chunk by chunk, computing no logits."""
-    import mlx.core as mx
-
-    from rewind.engine.forward import prefill as prefill_chunk
-
-    for start in range(0, len(tokens), PREFILL_CHUNK):
-        prefill_chunk(model, mx.array(tokens[start:start + PREFILL_CHUNK])[None], cache)
-        mx.clear_cache()
 
 
 def save_cache_file(path: str, cache: list[Any], saved: SavedPrompt) -> None:

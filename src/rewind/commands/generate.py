@@ -181,10 +181,12 @@ class ReplyStats:
 
 
 def prefill(model: Any, tokens: Sequence[int], cache: list[Any], start: int = 0,
-            on_boundary: Callable[[int], None] | None = None) -> None:
+            on_checkpoint: Callable[[int], None] | None = None,
+            stops: Sequence[int] = ()) -> None:
     """Feed `tokens` into `cache` (which already holds `start` tokens) without computing logits,
-    in chunks that end on multiples of BLOCK_TOKENS; `on_boundary(n)` runs whenever the cache
-    holds exactly n = a multiple of BLOCK_TOKENS tokens (where prompt-cache checkpoints go)."""
+    in chunks that end on multiples of BLOCK_TOKENS and on `stops` (absolute positions, such as
+    message boundaries). `on_checkpoint(n)` runs whenever the cache holds n tokens with n a
+    multiple of BLOCK_TOKENS, one of `stops`, or the end (where a prompt cache checkpoints)."""
     import mlx.core as mx
 
     from rewind.config import BLOCK_TOKENS
@@ -195,21 +197,25 @@ def prefill(model: Any, tokens: Sequence[int], cache: list[Any], start: int = 0,
         # The last boundary within PREFILL_CHUNK tokens, or the next one if that is further.
         next_boundary = (position // BLOCK_TOKENS + 1) * BLOCK_TOKENS
         stop = min(end, max(next_boundary,
-                            (position + PREFILL_CHUNK) // BLOCK_TOKENS * BLOCK_TOKENS))
+                            (position + PREFILL_CHUNK) // BLOCK_TOKENS * BLOCK_TOKENS),
+                   *(p for p in stops if p > position))
         chunk = tokens[position - start:stop - start]
         forward_prefill(model, mx.array(list(chunk))[None], cache)
         position = stop
-        if on_boundary is not None and position % BLOCK_TOKENS == 0:
-            on_boundary(position)
+        if on_checkpoint is not None and (position % BLOCK_TOKENS == 0 or position == end
+                                          or position in stops):
+            on_checkpoint(position)
         mx.clear_cache()
 
 
 def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[Any],
                  sampler: Any, max_tokens: int, stats: ReplyStats,
                  fed: list[int] | None = None,
-                 on_boundary: Callable[[int], None] | None = None) -> Iterator[str]:
-    """Yield the reply's text as it comes. `cache` holds len(fed) tokens before `tokens`;
-    every token fed to the model is appended to `fed`, so afterwards `fed` lists exactly what
+                 on_checkpoint: Callable[[int], None] | None = None,
+                 first_logits: Any = None, stops: Sequence[int] = ()) -> Iterator[str]:
+    """Yield the reply's text as it comes. `cache` holds len(fed) tokens before `tokens`
+    (with `first_logits`, the last position's logits [1, vocab]: it holds `tokens` too).
+    Every token fed to the model is appended to `fed`, so afterwards `fed` lists exactly what
     the cache holds (the prompt, and generated tokens up to one past the last yielded one,
     since the next step is queued before the current token is read). Fills `stats`."""
     import mlx.core as mx
@@ -220,13 +226,19 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
     eos = set(tokenizer.eos_token_ids)
     started = time.perf_counter()
     stats.prompt_tokens = len(tokens)
-    prefill(model, tokens[:-1], cache, start=len(fed), on_boundary=on_boundary)
 
-    def step(token: mx.array) -> mx.array:
-        logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+    def sample(logits: mx.array) -> mx.array:
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    current = step(mx.array(tokens[-1]))
+    def step(token: mx.array) -> mx.array:
+        return sample(model(token.reshape(1, 1), cache=cache)[:, -1, :])
+
+    if first_logits is None:
+        prefill(model, tokens[:-1], cache, start=len(fed), on_checkpoint=on_checkpoint,
+                stops=stops)
+        current = step(mx.array(tokens[-1]))
+    else:
+        current = sample(first_logits)
     fed.extend(tokens)
     mx.async_eval(current)
     detokenizer = tokenizer.detokenizer
