@@ -416,6 +416,25 @@ def test_reads_while_the_writer_writes(store_factory) -> None:
     assert stats["bytes"] <= 30 * size
 
 
+def test_queued_bytes_are_bounded(store_factory) -> None:
+    first, second = record_of(1000, 1), record_of(1000, 2)
+    store = store_factory(1 << 20, queue_bytes=size_of(first) * 3 // 2)
+    store._writer.pause()
+    try:
+        assert store.put("a", None, first)  # an empty queue always takes one record
+        waiting = threading.Thread(target=store.put, args=("b", None, second))
+        waiting.start()
+        waiting.join(timeout=0.2)
+        assert waiting.is_alive()  # b would exceed the queued-bytes bound while a waits
+        assert store.stats()["queued_bytes"] == size_of(first)
+    finally:
+        store._writer.resume()
+    waiting.join(timeout=30)
+    store.flush(timeout=30)
+    assert same(store.get("a"), first) and same(store.get("b"), second)
+    assert store.stats()["queue_waits"] >= 1 and store.stats()["queued_bytes"] == 0
+
+
 def test_writer_survives_a_failing_job_and_blocks_only_when_full() -> None:
     gate = threading.Event()
     seen: list[int] = []

@@ -165,6 +165,7 @@ class ScratchStore:
         budget_bytes: int,
         queue_size: int = 64,
         *,
+        queue_bytes: int = 256 << 20,
         use_o_tmpfile: bool = True,
     ) -> None:
         self.folder = Path(folder)
@@ -174,6 +175,11 @@ class ScratchStore:
         self._lock = threading.Lock()
         self._slots: dict[Key, Slot] = {}
         self._pending: dict[Key, _Pending] = {}
+        # Records waiting for the disk hold RAM: bound them in bytes as well as in count, so a
+        # slow disk makes the engine wait instead of growing the process.
+        self.queue_bytes = queue_bytes
+        self._pending_bytes = 0
+        self._drained = threading.Condition(self._lock)
         self._free = FreeList()
         self._file_limit = budget_bytes  # lowered to what the disk took when it is full
         self._file_limit_until = 0.0  # when a lowered limit may be tried higher again
@@ -189,6 +195,7 @@ class ScratchStore:
             "rejected": 0,  # larger than the budget allows, or refused after close
             "no_space": 0,  # the file could not make room within the budget
             "disk_full": 0,  # writes refused by the device (ENOSPC, EDQUOT, EFBIG)
+            "queue_waits": 0,  # times put() waited for queued bytes to drain
         }
         self.last_error: str | None = None
         self._fd = -1
@@ -231,10 +238,23 @@ class ScratchStore:
             if key in self._slots or key in self._pending:
                 self._lru.touch(key)
                 return True
+            while (
+                self._pending_bytes > 0
+                and self._pending_bytes + encoded.size > self.queue_bytes
+                and self.enabled
+            ):
+                self._counts["queue_waits"] += 1
+                self._drained.wait(timeout=1.0)
+            if not self.enabled:
+                return False
+            if key in self._slots or key in self._pending:
+                self._lru.touch(key)
+                return True
             if not self._lru.add(key, parent, encoded.size):
                 self._counts["rejected"] += 1
                 return False
             self._pending[key] = _Pending(parent, record, words, encoded)
+            self._pending_bytes += encoded.size
             writer = self._writer
         if writer is None or not writer.submit(key):
             with self._lock:
@@ -314,6 +334,8 @@ class ScratchStore:
                 self.disabled_reason = "closed"
             self._slots.clear()
             self._pending.clear()
+            self._pending_bytes = 0
+            self._drained.notify_all()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -331,6 +353,7 @@ class ScratchStore:
                 "disabled_reason": self.disabled_reason,
                 "entries": len(self._slots) + len(self._pending),
                 "queued": len(self._pending),
+                "queued_bytes": self._pending_bytes,
                 "bytes": self._lru.total_bytes,
                 "budget_bytes": self.budget_bytes,
                 "evictions": self._lru.evictions,
@@ -413,8 +436,7 @@ class ScratchStore:
                 self._fail(key, f"write {size} bytes at {offset}: {error}")
             return
         with self._lock:
-            if key in self._pending:
-                del self._pending[key]
+            if self._pop_pending(key) is not None:
                 self._slots[key] = Slot(offset, size, checksum)
                 self._counts["bytes_written"] += size
                 self._counts["records_written"] += 1
@@ -443,7 +465,14 @@ class ScratchStore:
         slot = self._slots.pop(key, None)
         if slot is not None:
             self._release(slot.offset, slot.length)
-        self._pending.pop(key, None)
+        self._pop_pending(key)
+
+    def _pop_pending(self, key: Key) -> _Pending | None:
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            self._pending_bytes -= pending.layout.size
+            self._drained.notify_all()
+        return pending
 
     def _drop_subtree(self, key: Key) -> list[Key]:
         dropped = self._lru.remove_subtree(key)
