@@ -151,14 +151,31 @@ def head_weight(model: Any) -> mx.array | None:
     return weight
 
 
-def install_fast_head(model: Any, form: HeadForm = "bf16") -> CpuHead | None:
+def bf16_is_exact(weight: mx.array) -> bool:
+    """True when every weight survives a round trip through bf16 (a bf16 checkpoint widened to
+    float32): the bf16 head then computes the same products as the float32 one."""
+    if weight.dtype == mx.bfloat16:
+        return True
+    return bool(mx.array_equal(weight, weight.astype(mx.bfloat16).astype(weight.dtype)).item())
+
+
+def install_fast_head(model: Any, form: str = "auto") -> CpuHead | None:
     """Give `model` a CpuHead used by rewind.engine.forward.last_logits; None when the kernel or a
-    float head is not available (the model then keeps its MLX head)."""
+    float head is not available (the model then keeps its MLX head).
+
+    form "auto" installs the bf16 head only where it is exact (bf16-representable weights, as in
+    the default model's bf16 checkpoint), so the answer never changes silently; "bf16" and
+    "int8" install that form whatever the weights.
+    """
     kernel = build_kernel()
     weight = head_weight(model) if kernel is not None else None
     if kernel is None or weight is None:
         return None
-    head = CpuHead(weight, form, kernel)
+    if form == "auto":
+        if not bf16_is_exact(weight):
+            return None
+        form = "bf16"
+    head = CpuHead(weight, form, kernel)  # type: ignore[arg-type]
     # Stored outside the parameter tree (nn.Module keeps public attributes as children).
     object.__setattr__(model, "_rewind_fast_head", head)
     return head

@@ -48,9 +48,10 @@ def resolve(name_or_path: str) -> Path:
     return path
 
 
-# REWIND_CPU_HEAD=bf16|int8|off chooses the CPU decode head (rewind.engine.fast_head).
+# REWIND_CPU_HEAD=auto|bf16|int8|off chooses the CPU decode head (rewind.engine.fast_head);
+# auto: the bf16 head where it is exact (bf16 checkpoints such as the CPU default), else MLX's.
 CPU_HEAD_ENV = "REWIND_CPU_HEAD"
-DEFAULT_CPU_HEAD = "bf16"
+DEFAULT_CPU_HEAD = "auto"
 
 
 def is_cpu_backend() -> bool:
@@ -94,7 +95,7 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     if on_cpu and head_form != "off":
         from rewind.engine.fast_head import install_fast_head
 
-        install_fast_head(model, head_form)  # type: ignore[arg-type]
+        install_fast_head(model, head_form)
     return model
 
 
