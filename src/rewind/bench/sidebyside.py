@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import shlex
 import shutil
 import sys
@@ -52,6 +53,9 @@ def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     parser.add_argument("--install-llama-cpp", action="store_true",
                         help="build llama-cpp-python[server] if missing (~6 min on 2 cores)")
+    parser.add_argument("--mlx-lm-as-stored", action="store_true",
+                        help="run mlx-lm on the folder as stored (bf16) instead of a float32 "
+                             "copy on the CPU backend")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for each server to load")
 
@@ -140,8 +144,9 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             if name in skipped:
                 continue
             try:
-                server = build_server(server_of(name), model, options_for(name), free_port(),
-                                      log_dir)
+                options = dataclasses.replace(options_for(name),
+                                              mlx_lm_float32=not args.mlx_lm_as_stored)
+                server = build_server(server_of(name), model, options, free_port(), log_dir)
             except ServerUnavailable as exc:
                 skipped.add(name)
                 notes.append(f"{name} skipped: {exc}")
