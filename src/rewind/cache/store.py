@@ -411,12 +411,12 @@ class ScratchStore:
                 raise RecordFormatError("array bytes disagree with the record's layout")
         except Exception as error:  # noqa: BLE001 - a record that cannot be encoded is lost, only
             with self._lock:
-                self._fail(key, f"encode: {error!r}")
+                self._fail(key, pending, f"encode: {error!r}")
             return
         size = pending.layout.size
         with self._lock:
-            if key not in self._pending:
-                return
+            if self._pending.get(key) is not pending:
+                return  # evicted meanwhile
             offset = self._allocate(size, key)
             if offset is None:
                 self._counts["no_space"] += 1
@@ -433,10 +433,13 @@ class ScratchStore:
                     self._counts["disk_full"] += 1
                     self._file_limit = min(self._file_limit, self._free.end)
                     self._file_limit_until = time.monotonic() + _FULL_RETRY_SECONDS
-                self._fail(key, f"write {size} bytes at {offset}: {error}")
+                self._fail(key, pending, f"write {size} bytes at {offset}: {error}")
             return
         with self._lock:
-            if self._pop_pending(key) is not None:
+            # The same key may have been evicted and put again while these bytes went out:
+            # only this job's own pending entry turns into a slot.
+            if self._pending.get(key) is pending:
+                self._pop_pending(key)
                 self._slots[key] = Slot(offset, size, checksum)
                 self._counts["bytes_written"] += size
                 self._counts["records_written"] += 1
@@ -480,11 +483,12 @@ class ScratchStore:
             self._forget(node)
         return dropped
 
-    def _fail(self, key: Key, message: str) -> None:
+    def _fail(self, key: Key, pending: _Pending, message: str) -> None:
         self._counts["write_errors"] += 1
         self.last_error = message
         log.warning("disk cache write failed (record dropped): %s", message)
-        self._drop_subtree(key)
+        if self._pending.get(key) is pending:  # not a newer put of the same key
+            self._drop_subtree(key)
 
     def _release(self, offset: int, length: int) -> None:
         if self._free.release(offset, length) and self._fd >= 0:
