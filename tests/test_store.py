@@ -124,6 +124,8 @@ def test_put_get_round_trip_through_the_file(store_factory) -> None:
     assert stats["bytes_written"] == sum(size_of(r) for r in records.values())
     assert stats["file_bytes"] == store._debug_file_size() == stats["bytes"]
     assert store.get("absent") is None and store.stats()["misses"] == 1
+    assert store.drop_page_cache()  # cold reads come back the same
+    assert all(same(store.get(key), record) for key, record in records.items())
 
 
 def test_contains_and_get_while_queued(store_factory) -> None:
