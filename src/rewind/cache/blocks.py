@@ -69,6 +69,14 @@ def _images_in(extras: BlockExtras | None, start: int, end: int) -> bytes:
     return b"".join(parts)
 
 
+def images_digest(extras: BlockExtras | None, start: int, end: int) -> str:
+    """The images overlapping [start, end), as a hex digest a record keeps for its identity
+    check (the salt and the fingerprint are in the root key, which the chain carries)."""
+    digest = _hasher()
+    digest.update(_images_in(extras, start, end))
+    return digest.hexdigest()
+
+
 def chain_key(
     parent: bytes, tokens: Sequence[int], start: int, extras: BlockExtras | None, partial: bool
 ) -> bytes:

@@ -19,7 +19,6 @@ corrupt or fails its identity check only shortens the restored prefix.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -30,7 +29,7 @@ from typing import Any, Sequence
 from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.cache import records as rec
-from rewind.cache.blocks import BlockChain, BlockExtras, BlockIdentity, root_key
+from rewind.cache.blocks import BlockChain, BlockExtras, BlockIdentity, images_digest, root_key
 from rewind.cache.ram_tier import RamTier
 from rewind.cache.serialize import Record
 from rewind.config import CacheConfig, default_disk_budget
@@ -60,15 +59,6 @@ class _Point:
 
     identity: BlockIdentity
     spine: list[BlockIdentity]  # every spine block from the first up to the point
-
-
-def _extras_digest(extras: BlockExtras | None) -> str:
-    """What a spine record remembers of the extras, to check on a hit (images only: the salt
-    and fingerprint are in the root key, and the chain carries the root)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for start, end, image in (extras.image_hashes if extras else []):
-        digest.update(f"{start}:{end}:".encode() + image)
-    return digest.hexdigest()
 
 
 def _open_store(config: CacheConfig) -> Any | None:
@@ -115,6 +105,7 @@ class PromptCache:
             "tokens_recomputed": 0,
             "checkpoints": 0,
             "records_stored": 0,
+            "points_past_ram": 0,  # points whose chain is larger than the RAM tier: disk only
             "identity_mismatches": 0,
             "missing_records": 0,
         }
@@ -164,21 +155,42 @@ class PromptCache:
                 raise ValueError(f"checkpoint: the cache holds {offset} tokens, not {len(tokens)}")
             self._counters["checkpoints"] += 1
             chain = BlockChain(tokens, root, extras, self.block_tokens)
-            digest = _extras_digest(extras)
-            for block in chain.full:
-                if not self._has(block.key):
-                    self._put(block.key, block.parent, rec.snapshot_kv(cache, block, digest))
             point = chain.at(len(tokens))
-            if point.partial:
-                if not self._has(point.key):
-                    self._put(point.key, point.parent, rec.snapshot_kv(cache, point, digest))
-                self._remember_partial(point)
+            spine = [block for block in chain.full if block.end <= point.start]
+            spine.append(point)  # a full point is the last full block itself
+            new: list[tuple[bytes, bytes | None, Record]] = []
+            for block in spine:
+                if not self._has(block.key):
+                    images = images_digest(extras, block.start, block.end)
+                    new.append((block.key, block.parent, rec.snapshot_kv(cache, block, images)))
             for kind, snapshot in ((rec.WINDOW, rec.snapshot_window), (rec.STATE, rec.snapshot_state)):
                 key = point.key + _TAG[kind]
                 if not self._has(key):
                     record = snapshot(cache, point.end)
                     if record is not None:
-                        self._put(key, point.key, record)
+                        new.append((key, point.key, record))
+            if point.partial:
+                self._remember_partial(point)
+            self._store(new, spine)
+
+    def _store(self, new: list[tuple[bytes, bytes | None, Record]], spine: list[BlockIdentity]) -> None:
+        """Put one point's new records into RAM, or straight to disk when the point's whole
+        chain cannot fit in RAM: admitting part of it would only evict older points that RAM
+        can restore in favour of records it cannot use."""
+        self._counters["records_stored"] += len(new)
+        fresh = {key: record.nbytes for key, _, record in new}
+        needed = sum(fresh.values())
+        for block in spine:
+            if block.key not in fresh:
+                held = self.ram.peek(block.key)
+                needed += held.nbytes if held is not None else 0
+        if needed > self.ram.budget_bytes:
+            self._counters["points_past_ram"] += 1
+            for key, parent, record in new:
+                self._spill(key, parent, record)
+            return
+        for key, parent, record in new:
+            self.ram.put(key, parent, record)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -191,6 +203,16 @@ class PromptCache:
                 "ram": self.ram.stats(),
                 "disk": self.store.stats() if self.store is not None else None,
             }
+
+    def point_keys(
+        self, tokens: Sequence[int], extras: BlockExtras | None = None, max_kv_size: int | None = None
+    ) -> dict[str, bytes]:
+        """Tier keys of the records at point len(tokens): "kv" (the spine record of its block),
+        "window", "state" (for inspection, tests and debugging)."""
+        template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+        chain = BlockChain(tokens, self._root(template, extras), extras, self.block_tokens)
+        key = chain.at(len(tokens)).key
+        return {rec.KV: key, rec.WINDOW: key + _TAG[rec.WINDOW], rec.STATE: key + _TAG[rec.STATE]}
 
     def flush(self) -> None:
         """Wait until every record handed to the disk tier is written (tests, benchmarks)."""
@@ -224,13 +246,12 @@ class PromptCache:
             self.disabled_reason = str(error)
             return nothing
         chain = BlockChain(tokens, root, extras, self.block_tokens)
-        digest = _extras_digest(extras)
         limit = len(tokens) - 1  # the last token is always computed: its logits are sampled
         for _ in range(_MAX_RESTORE_ATTEMPTS):
             point = self._plan(chain, limit, needs)
             if point is None:
                 return nothing
-            loaded = self._load(point, needs, digest)
+            loaded = self._load(point, needs, extras)
             if isinstance(loaded, int):
                 limit = loaded  # a record failed: plan again, ending at or before its block
                 continue
@@ -265,7 +286,7 @@ class PromptCache:
         return None
 
     def _load(
-        self, point: _Point, needs: set[str], digest: str
+        self, point: _Point, needs: set[str], extras: BlockExtras | None
     ) -> tuple[rec.RestoreParts, int, int] | int:
         """Fetch and check the records of `point`; on failure, the start of the failing block
         (a restore must end at or before it)."""
@@ -276,7 +297,7 @@ class PromptCache:
             if record is None:
                 self._counters["missing_records"] += 1
                 return block.start
-            if not rec.verify_kv(record, block, digest):
+            if not rec.verify_kv(record, block, images_digest(extras, block.start, block.end)):
                 self._counters["identity_mismatches"] += 1
                 self._discard(block.key)
                 return block.start
@@ -319,10 +340,6 @@ class PromptCache:
             return None, False
         self.ram.put(key, parent, record)
         return record, True
-
-    def _put(self, key: bytes, parent: bytes | None, record: Record) -> None:
-        self._counters["records_stored"] += 1
-        self.ram.put(key, parent, record)
 
     def _spill(self, key: Any, parent: Any, record: Record) -> None:
         """RAM evicted a record: keep it on disk (once), if there is a disk tier."""
