@@ -107,9 +107,6 @@ class Scheduler:
 
     # ---- engine thread only -----------------------------------------------------------------
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
-
     def step(self) -> bool:
         """One loop iteration; False when there was nothing to do."""
         self._drop_cancelled()
@@ -233,9 +230,12 @@ class Scheduler:
             return
         self.prefilling.remove(seq)
         if self._on_token(seq, sampled):
-            self._join_batch(seq)
-        else:
-            seq.cache = None
+            try:
+                self._join_batch(seq)
+            except Exception as exc:  # e.g. a cache class that cannot batch
+                log.exception("joining the decode batch failed for %s", seq.request.request_id)
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        seq.cache = None
 
     def _checkpoint(self, seq: Sequence, tokens: list[int], cache: list[Any]) -> None:
         """Hand the prompt cache a checkpoint; `cache` holds exactly `tokens`."""
@@ -249,8 +249,7 @@ class Scheduler:
     # ---- the decode batch -------------------------------------------------------------------
 
     def _join_batch(self, seq: Sequence) -> None:
-        single = [layer.merge([layer]) for layer in seq.cache]
-        seq.cache = None
+        single = [layer.merge([layer]) for layer in seq.cache or []]
         if self.batch_cache is None:
             self.batch_cache = single
         else:
@@ -308,7 +307,16 @@ class Scheduler:
     # ---- tokens out -------------------------------------------------------------------------
 
     def _on_token(self, seq: Sequence, sampled: Sampled) -> bool:
-        """Emit one generated token; True while the sequence goes on."""
+        """Emit one generated token; True while the sequence goes on. A failure here (say, in
+        detokenization) ends this request only."""
+        try:
+            return self._emit_token(seq, sampled)
+        except Exception as exc:
+            log.exception("token handling failed for %s", seq.request.request_id)
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _emit_token(self, seq: Sequence, sampled: Sampled) -> bool:
         now = time.perf_counter()
         if not seq.generated:
             seq.usage.ttft_seconds = now - seq.submitted_at
