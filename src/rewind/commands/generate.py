@@ -104,9 +104,26 @@ def new_cache(model: Any, max_kv_size: int | None, kv_bits: int | None,
 
     cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     if kv_bits is not None:
+        head_dim = _head_dim(model)
+        if head_dim is not None and head_dim % kv_group_size:
+            raise UserError(f"--kv-group-size {kv_group_size} does not divide this model's "
+                            f"attention head size {head_dim}; try 32 or 64")
         cache = [layer.to_quantized(group_size=kv_group_size, bits=kv_bits)
                  if type(layer) is KVCache else layer for layer in cache]
     return cache
+
+
+def _head_dim(model: Any) -> int | None:
+    """The attention head size from the model's args (nested under text_config for some)."""
+    args = getattr(model, "args", None)
+    fields = getattr(args, "text_config", None)
+    if not isinstance(fields, dict):
+        fields = vars(args) if args is not None else {}
+    if fields.get("head_dim"):
+        return int(fields["head_dim"])
+    if fields.get("hidden_size") and fields.get("num_attention_heads"):
+        return int(fields["hidden_size"]) // int(fields["num_attention_heads"])
+    return None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -276,8 +293,10 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
     stats.peak_memory_bytes = mx.get_peak_memory()
 
 
-def print_report(stats: ReplyStats, out: Any = sys.stderr) -> None:
+def print_report(stats: ReplyStats, out: Any = None) -> None:
     from rewind.blas import status
+
+    out = out if out is not None else sys.stderr
 
     def rate(tokens: int, seconds: float) -> str:
         return f"{tokens / seconds:.1f} tokens/s" if seconds > 0 else "n/a"

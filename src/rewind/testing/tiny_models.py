@@ -92,7 +92,7 @@ def _family_config(family: str) -> dict[str, Any]:
             "intermediate_size": 128,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
+            "head_dim": 64,
             "rope_theta": 10000.0,
         }
     if family == "gemma3":
@@ -107,8 +107,8 @@ def _family_config(family: str) -> dict[str, Any]:
             "intermediate_size": 128,
             "num_attention_heads": 4,
             "num_key_value_heads": 1,
-            "head_dim": 16,
-            "query_pre_attn_scalar": 16,
+            "head_dim": 64,
+            "query_pre_attn_scalar": 64,
             "rope_theta": 1_000_000.0,
             "rope_local_base_freq": 10_000.0,
         }
@@ -122,7 +122,7 @@ def _family_config(family: str) -> dict[str, Any]:
             "intermediate_size": 128,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
+            "head_dim": 64,
             "linear_num_value_heads": 4,
             "linear_num_key_heads": 2,
             "linear_key_head_dim": 16,
