@@ -156,6 +156,13 @@ class Engine:
         self.config = config or EngineConfig()
         if self.config.parallel < 1:
             raise ValueError("parallel must be >= 1")
+        if self.config.kv_bits is not None:
+            log.warning("kv_bits=%s ignored: mlx-lm's batch caches do not quantize",
+                        self.config.kv_bits)
+        if self.config.max_kv_size is not None:
+            log.warning("max_kv_size=%s: mlx-lm's batch caches drop the rotating cache's 'keep' "
+                        "tokens, so past that size batched output can differ from batch-1",
+                        self.config.max_kv_size)
         self.prompt_cache = prompt_cache
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = _eos_token_ids(loaded.tokenizer, loaded.config)
