@@ -89,3 +89,25 @@ def test_disk_tier_hit_after_ram_is_cleared(tiny_loaded, cache_config):
     assert second.finish.usage.cached_tokens == len(prompt) - 1
     assert second.finish.usage.cached_disk_tokens > 0
     assert second.tokens == first.tokens
+
+
+def test_requested_checkpoints_serve_a_prompt_that_diverges_there(tiny_loaded, cache_config):
+    """A message boundary passed in req.checkpoints is a restore point for a prompt that shares
+    only the text before it (an agent that cuts the previous reasoning out)."""
+    loaded = tiny_loaded("gemma3")
+    tokenizer = loaded.tokenizer
+    head = tokenizer.encode(LONG_TEXT[:400])
+    first = head + tokenizer.encode(" some reasoning that gets cut out", add_special_tokens=False)
+    second = head + tokenizer.encode(" the final answer instead", add_special_tokens=False)
+    assert first[: len(head) + 1] != second[: len(head) + 1]
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, cache_config)
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            engine.generate(GenerationRequest(first, greedy(2), checkpoints=[len(head)]), TIMEOUT)
+            hit = engine.generate(GenerationRequest(second, greedy(6)), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        reference = engine.generate(GenerationRequest(second, greedy(6)), TIMEOUT)
+    assert hit.finish.usage.cached_tokens == len(head)
+    assert hit.tokens == reference.tokens
