@@ -22,7 +22,9 @@ def sampler(**kw) -> SequenceSampler:
 
 def draws(s: SequenceSampler, n: int, logits: list[float] = LOGITS) -> Counter[int]:
     row = mx.array(logits)
-    return Counter(int(s.draw(s.process(row)).item()) for _ in range(n))
+    tokens = [s.draw(s.process(row)) for _ in range(n)]
+    mx.eval(tokens)  # one evaluation for all draws: the key chain is part of the graph
+    return Counter(int(t.item()) for t in tokens)
 
 
 def test_greedy_takes_the_argmax_and_logit_bias_moves_it():
@@ -49,26 +51,26 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
 
 
 def test_temperature_sampling_follows_the_softmax():
-    counts = draws(sampler(temperature=1.0, seed=3), 3000)
+    counts = draws(sampler(temperature=1.0, seed=3), 1000)
     probs = mx.softmax(mx.array(LOGITS)).tolist()
     for token, p in enumerate(probs):
-        assert counts[token] / 3000 == pytest.approx(p, abs=0.03)
+        assert counts[token] / 1000 == pytest.approx(p, abs=0.05)
 
 
 def test_low_temperature_sharpens():
-    hot = draws(sampler(temperature=2.0, seed=1), 1000)[0]
-    cold = draws(sampler(temperature=0.3, seed=1), 1000)[0]
+    hot = draws(sampler(temperature=2.0, seed=1), 300)[0]
+    cold = draws(sampler(temperature=0.3, seed=1), 300)[0]
     assert cold > hot
 
 
 def test_top_k_top_p_min_p_truncate_the_support():
-    assert set(draws(sampler(top_k=2, seed=1), 300)) == {0, 1}
+    assert set(draws(sampler(top_k=2, seed=1), 100)) == {0, 1}
     # softmax(LOGITS) ~ [.55, .20, .12, .03, .004, .07]: top_p 0.7 keeps tokens 0 and 1.
-    assert set(draws(sampler(top_p=0.7, seed=2), 300)) == {0, 1}
-    assert set(draws(sampler(top_p=0.05, seed=2), 50)) == {0}
+    assert set(draws(sampler(top_p=0.7, seed=2), 100)) == {0, 1}
+    assert set(draws(sampler(top_p=0.05, seed=2), 20)) == {0}
     # min_p 0.2: keep tokens with p >= 0.2 * p(0) ~ 0.11, i.e. tokens 0, 1 and 2.
-    assert set(draws(sampler(min_p=0.2, seed=3), 500)) == {0, 1, 2}
-    assert set(draws(sampler(temperature=1.0, seed=4), 2000)) == set(range(VOCAB))
+    assert set(draws(sampler(min_p=0.2, seed=3), 200)) == {0, 1, 2}
+    assert set(draws(sampler(temperature=1.0, seed=4), 1000)) == set(range(VOCAB))
 
 
 def test_seeds_reproduce_and_differ():
