@@ -1,0 +1,72 @@
+"""`rewind serve` as a user runs it: a subprocess on a tiny model, loopback, a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from rewind.cli import build_parser
+from rewind.commands.serve import server_config
+
+
+def test_flags_fill_the_config(tmp_path):
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--port", "9999", "--parallel", "2", "--max-queue", "3",
+        "--api-key", "k", "--cache-ram", "512MiB", "--cache-disk", "2GiB", "--no-disk-cache",
+        "--cache-dir", str(tmp_path), "--max-kv-size", "1024", "--max-body", "1MiB"])
+    config = server_config(args)
+    assert (config.model, config.host, config.port, config.api_key) == ("m", "127.0.0.1", 9999, "k")
+    assert config.max_body_bytes == 1 << 20
+    engine = config.engine
+    assert (engine.parallel, engine.max_queue, engine.max_kv_size) == (2, 3, 1024)
+    cache = engine.cache
+    assert cache.enabled and not cache.disk_enabled and cache.cache_dir == tmp_path
+    assert (cache.ram_bytes, cache.disk_bytes) == (512 << 20, 2 << 30)
+    assert not server_config(build_parser().parse_args(["serve", "--no-prompt-cache"])) \
+        .engine.cache.enabled
+
+
+@pytest.mark.slow  # a fresh interpreter imports mlx, mlx-lm and transformers
+def test_rewind_serve_answers_and_shuts_down(tiny_model_path, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "rewind", "serve", "--model", str(tiny_model_path("gemma3")),
+               "--port", str(port), "--parallel", "2", "--api-key", "sk-test",
+               "--cache-dir", str(tmp_path), "--log-level", "warning"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("rewind serve did not become healthy")
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "temperature": 0}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
+                           headers={"authorization": "Bearer sk-test"})
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 3
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            output, _ = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output, _ = server.communicate()
+    assert server.returncode in (0, 130), output
