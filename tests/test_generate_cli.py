@@ -185,3 +185,21 @@ def test_kv_group_size_that_does_not_fit_is_refused(capsys, tiny_model_path):
     code, _, err = run_in_process(capsys, "generate", "--model", str(tiny_model_path("llama")),
                                   "--prompt", "x", "--kv-bits", "4", "--kv-group-size", "128")
     assert code == 1 and "--kv-group-size" in err
+
+
+def test_quantized_prompt_cache_file(capsys, tmp_path, tiny_model_path):
+    """A cache saved with --kv-bits comes back quantized and gives the --kv-bits answer."""
+    model = str(tiny_model_path("gemma3"))
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(LONG_TEXT)
+    cache_file = tmp_path / "q4.cache"
+    assert run_in_process(capsys, "cache-prompt", "--model", model, "--kv-bits", "4",
+                          "--prompt-file", str(prompt_file), "--out", str(cache_file))[0] == 0
+    with_cache = run_in_process(capsys, "generate", "--model", model, "--prompt-cache-file",
+                                str(cache_file), "--prompt", " And", "--max-tokens", "16")
+    without = run_in_process(capsys, "generate", "--model", model, "--kv-bits", "4",
+                             "--prompt", LONG_TEXT + " And", "--max-tokens", "16")
+    assert with_cache[0] == 0 and with_cache[1] == without[1]
+    code, _, err = run_in_process(capsys, "generate", "--model", model, "--kv-bits", "8",
+                                  "--prompt-cache-file", str(cache_file), "--prompt", "x")
+    assert code == 1 and "--kv-bits" in err

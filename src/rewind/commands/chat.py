@@ -71,6 +71,12 @@ class ChatSession:
         self.cache: list[Any] | None = None
         self.fed: list[int] = []  # exactly the tokens self.cache holds
 
+    def drop_unanswered(self) -> None:
+        """After an interrupted reply: the last user message goes, and so does the live cache."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+        self.cache, self.fed = None, []
+
     def prompt_tokens(self) -> list[int]:
         return list(self.loaded.tokenizer.apply_chat_template(
             self.messages, add_generation_prompt=True, enable_thinking=self.thinking))
@@ -224,7 +230,14 @@ def _chat(args: argparse.Namespace) -> int:
             if text.startswith("/"):
                 print(HELP, file=sys.stderr)
                 continue
-            stats = session.turn(text, sys.stdout)
+            try:
+                stats = session.turn(text, sys.stdout)
+            except KeyboardInterrupt:
+                # Stop this reply, keep the chat: forget the unanswered message and the live
+                # cache, whose contents are unknown now (checkpoints in the PromptCache stay).
+                print("\n(reply interrupted)", file=sys.stderr)
+                session.drop_unanswered()
+                continue
             if args.verbose:
                 print_report(stats)
     finally:
