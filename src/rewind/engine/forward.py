@@ -77,30 +77,40 @@ def hidden_states(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array | 
     return None if split is None else split.backbone(tokens, cache=cache)
 
 
-def prefill(model: Any, tokens: mx.array, cache: list[Any]) -> None:
+def _embedding_kwargs(input_embeddings: mx.array | None) -> dict[str, Any]:
+    # Image prompts (rewind.vision) hand embeddings [B, T, H] in place of the token ids; mlx-lm's
+    # models take them as `input_embeddings` and ignore the ids then.
+    return {} if input_embeddings is None else {"input_embeddings": input_embeddings}
+
+
+def prefill(model: Any, tokens: mx.array, cache: list[Any],
+            input_embeddings: mx.array | None = None) -> None:
     """Run tokens [B, T] through the model to fill `cache`; no logits are computed.
 
     Only the cache state is evaluated: MLX is lazy, so the final norm of the unused hidden states
     never runs either.
     """
     split = split_model(model)
+    kwargs = _embedding_kwargs(input_embeddings)
     if split is None:
-        model(tokens, cache=cache)
+        model(tokens, cache=cache, **kwargs)
     else:
-        split.backbone(tokens, cache=cache)
+        split.backbone(tokens, cache=cache, **kwargs)
     mx.eval([c.state for c in cache])
 
 
-def last_logits(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array:
+def last_logits(model: Any, tokens: mx.array, cache: list[Any],
+                input_embeddings: mx.array | None = None) -> mx.array:
     """Logits [B, vocab] of the last position of tokens [B, T].
 
     Lazy with MLX's head; with a CPU fast head (rewind.engine.fast_head) the backbone is
     evaluated here and the logits come back materialized.
     """
     split = split_model(model)
+    kwargs = _embedding_kwargs(input_embeddings)
     if split is None:
-        return model(tokens, cache=cache)[:, -1, :]
-    hidden = split.backbone(tokens, cache=cache)
+        return model(tokens, cache=cache, **kwargs)[:, -1, :]
+    hidden = split.backbone(tokens, cache=cache, **kwargs)
     # The loader's CPU head (bf16/int8 weights read by a C kernel) when one is installed.
     head = model.__dict__.get("_rewind_fast_head") or split.head
     return head(hidden[:, -1, :])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal
 
 
@@ -77,6 +78,10 @@ class GenerationRequest:
     # every 256-token multiple and the prompt's end.
     checkpoints: list[int] = field(default_factory=list)
     extras: Any = None  # rewind.cache.BlockExtras | None (typed loosely: engine -> cache only)
+    # Image prompts (rewind.vision): embed(start, end) -> input embeddings [1, end - start, hidden]
+    # of prompt positions [start, end), called on the engine thread for each prefill chunk in
+    # place of the token ids. Decode never uses it. None: a text prompt.
+    embed: Callable[[int, int], Any] | None = None
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
 
 

@@ -209,14 +209,16 @@ class Scheduler:
             while True:
                 start, end = seq.prefilled, self._chunk_end(seq, seq.prefilled)
                 chunk = mx.array([seq.prompt[start:end]])
+                # Image prompts: this chunk's input embeddings (image features in image spans).
+                embeds = None if seq.request.embed is None else seq.request.embed(start, end)
                 if end == total:
-                    logits = last_logits(self.model, chunk, seq.cache)
+                    logits = last_logits(self.model, chunk, seq.cache, embeds)
                     mx.eval(logits, [c.state for c in seq.cache])
                     seq.prefilled = end
                     self.counters.prefilled_tokens += end - start
                     sampled = sample_rows([seq.sampler], logits)[0]
                     break
-                prefill(self.model, chunk, seq.cache)
+                prefill(self.model, chunk, seq.cache, embeds)
                 seq.prefilled = end
                 self.counters.prefilled_tokens += end - start
                 self._checkpoint(seq, seq.prompt[:end], seq.cache)
