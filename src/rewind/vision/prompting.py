@@ -1,0 +1,44 @@
+"""Turn (prompt tokens with image placeholders, decoded images) into what the engine takes for an
+image request: expanded tokens, moved checkpoint positions, cache extras with the image hashes,
+and the embedding function for its prefill chunks.
+
+Runs on the caller's thread and creates no MLX arrays: the NumPy preprocessing happens here, the
+tower and embeddings later on the engine thread (rewind.vision.vlm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rewind.cache.blocks import BlockExtras
+from rewind.vision.images import DecodedImage
+from rewind.vision.vlm import EmbedFn, VisionAdapter, VisionPrompt, text_embeddings
+
+
+@dataclass
+class ImagePrompt:
+    prompt: VisionPrompt
+    checkpoints: list[int]
+    extras: BlockExtras
+    embed: EmbedFn
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt.tokens
+
+
+def prepare_image_prompt(adapter: VisionAdapter, model: Any, tokens: Sequence[int],
+                         images: Sequence[DecodedImage], checkpoints: Sequence[int] = (),
+                         salt: str = "") -> ImagePrompt:
+    """`tokens` hold one begin-of-image placeholder per image, in order; `checkpoints` are
+    positions in `tokens` (moved to the expanded prompt). Raises ImageError on a mismatch."""
+    prompt = adapter.expand(tokens, images)
+    moved = sorted({prompt.position(p) for p in checkpoints} | {len(prompt.tokens)})
+    # Preprocess here (NumPy, off the engine thread) unless the tower output is already kept.
+    pixels = [None if span.image.sha256 in adapter.feature_cache else adapter.preprocess(span.image)
+              for span in prompt.spans]
+    embed = adapter.embedder(prompt, text_embeddings(model), pixels)
+    extras = BlockExtras(image_hashes=prompt.image_hashes, salt=salt)
+    return ImagePrompt(prompt, moved, extras, embed)
