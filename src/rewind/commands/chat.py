@@ -98,26 +98,22 @@ class ChatSession:
 
     def turn(self, user_text: str, out: Any) -> ReplyStats:
         """Send one user message, stream the reply to `out`, remember both."""
+        from rewind.cache.records import cache_offset
+
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         self.messages.append({"role": "user", "content": user_text})
         tokens = self.prompt_tokens()
         points = self.divergence_points(tokens)
         stats = ReplyStats()
-        first_logits = None
         done = reuse_cache(self.cache, self.fed, tokens) if self.cache is not None else -1
         if done >= 0:
-            del self.fed[done:]
             cache = self.cache
         elif self.prompt_cache is not None:
-            from rewind.cache import prefill_with_cache
-
-            prefilled = prefill_with_cache(model, tokens, self.prompt_cache, checkpoints=points,
-                                           max_kv_size=self.args.max_kv_size)
-            cache, first_logits, self.fed = prefilled.cache, prefilled.logits, []
-            done = prefilled.restored.tokens
+            restored = self.prompt_cache.restore(tokens, max_kv_size=self.args.max_kv_size)
+            cache, done = restored.cache, restored.tokens
         else:
-            cache, done, self.fed = new_cache(model, self.args.max_kv_size, None), 0, []
-        self.cache = cache
+            cache, done = new_cache(model, self.args.max_kv_size, None), 0
+        self.cache, self.fed = cache, list(tokens[:done])
         stats.cached_tokens = done
 
         def checkpoint(n: int) -> None:
@@ -125,18 +121,16 @@ class ChatSession:
                 self.prompt_cache.checkpoint(tokens[:n], cache)
 
         pieces: list[str] = []
-        remaining = tokens if first_logits is not None else tokens[done:]
-        for text in stream_reply(model, tokenizer, remaining, cache, self.sampler,
+        for text in stream_reply(model, tokenizer, tokens[done:], cache, self.sampler,
                                  self.args.max_tokens, stats, self.fed,
-                                 on_checkpoint=checkpoint, first_logits=first_logits,
-                                 stops=points):
+                                 on_checkpoint=checkpoint, stops=points):
             pieces.append(text)
             out.write(text)
             out.flush()
         out.write("\n")
         out.flush()
-        if first_logits is not None:
-            stats.prompt_tokens = len(tokens) - done
+        if cache_offset(cache) not in (None, len(self.fed)):
+            self.cache, self.fed = None, []  # never guess what a cache holds
         reasoning, answer = split_reasoning("".join(pieces), opened=self.thinking,
                                             start=tokenizer.think_start or "<think>",
                                             end=tokenizer.think_end or "</think>")

@@ -2,9 +2,10 @@
 
 The pieces that `rewind chat` and `rewind cache-prompt` share with it live here too: loading a
 model with a clear error, the sampling and cache-shape options, building a cache, the reply stream
-and the --verbose report. Generation is a small loop of its own (mlx-lm's generate_step in spirit: logits only for the
-last prompt token, the next step queued with async_eval before the current token is read) so
-that callers know exactly which tokens the cache holds and can checkpoint at block boundaries.
+and the --verbose report. Generation runs on rewind.engine.single (logits only for the last prompt token, the engine's
+fast output head, the next step queued before the current token is read); the prompt goes
+through `prefill` here first, so callers can checkpoint at block and message boundaries and
+know exactly which tokens the cache holds.
 """
 
 from __future__ import annotations
@@ -229,13 +230,17 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
                  sampler: Any, max_tokens: int, stats: ReplyStats,
                  fed: list[int] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None,
-                 first_logits: Any = None, stops: Sequence[int] = ()) -> Iterator[str]:
-    """Yield the reply's text as it comes. `cache` holds len(fed) tokens before `tokens`
-    (with `first_logits`, the last position's logits [1, vocab]: it holds `tokens` too).
+                 stops: Sequence[int] = ()) -> Iterator[str]:
+    """Yield the reply's text as it comes. `cache` holds the len(fed) tokens before `tokens`.
     Every token fed to the model is appended to `fed`, so afterwards `fed` lists exactly what
-    the cache holds (the prompt, and generated tokens up to one past the last yielded one,
-    since the next step is queued before the current token is read). Fills `stats`."""
+    the cache holds: the prompt, and the generated tokens up to one past the last one read
+    (the generator queues the next step before the current token is read). Fills `stats`.
+
+    The prompt but its last token goes through `prefill` (checkpoint hooks, no logits); the
+    last token and the decode loop through rewind.engine.single, the engine's fast path."""
     import mlx.core as mx
+
+    from rewind.engine.single import generate_tokens
 
     fed = [] if fed is None else fed
     if not tokens:
@@ -243,52 +248,34 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
     eos = set(tokenizer.eos_token_ids)
     started = time.perf_counter()
     stats.prompt_tokens = len(tokens)
-
-    def sample(logits: mx.array) -> mx.array:
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-    def step(token: mx.array) -> mx.array:
-        return sample(model(token.reshape(1, 1), cache=cache)[:, -1, :])
-
-    if first_logits is None:
-        prefill(model, tokens[:-1], cache, start=len(fed), on_checkpoint=on_checkpoint,
-                stops=stops)
-        current = step(mx.array(tokens[-1]))
-    else:
-        current = sample(first_logits)
+    prefill(model, tokens[:-1], cache, start=len(fed), on_checkpoint=on_checkpoint, stops=stops)
     fed.extend(tokens)
-    mx.async_eval(current)
+    generator = generate_tokens(model, list(tokens[-1:]), sampler, cache, max_tokens)
     detokenizer = tokenizer.detokenizer
     generation_started = started
     stats.finish_reason = "length"
-    for n in range(max_tokens):
-        upcoming = None
-        if n + 1 < max_tokens:
-            # Queue the next step before reading this token: the model runs while Python waits.
-            upcoming = step(current)
-            mx.async_eval(upcoming)
-        token = int(current.item())
-        if upcoming is not None:
-            fed.append(token)
-        if n == 0:
-            generation_started = time.perf_counter()
-            stats.prompt_seconds = generation_started - started
-        if token in eos:
-            stats.finish_reason = "stop"
-            break
-        stats.generation_tokens += 1
-        detokenizer.add_token(token)
-        segment = detokenizer.last_segment  # reading it consumes it
-        if segment:
-            yield segment
-        if upcoming is None:
-            break
-        current = upcoming
+    try:
+        for produced, (token, _) in enumerate(generator):
+            if produced + 1 < max_tokens:  # the step after this token is queued: it is fed
+                fed.append(token)
+            if produced == 0:
+                generation_started = time.perf_counter()
+                stats.prompt_seconds = generation_started - started
+            if token in eos:
+                stats.finish_reason = "stop"
+                break
+            stats.generation_tokens += 1
+            detokenizer.add_token(token)
+            segment = detokenizer.last_segment  # reading it consumes it
+            if segment:
+                yield segment
+    finally:
+        generator.close()
     detokenizer.finalize()
     segment = detokenizer.last_segment
     if segment:
         yield segment
-    # The first token comes from the prompt pass: generation speed counts the tokens after it.
+    # The first token comes from the prompt pass: generation speed counts the time after it.
     stats.generation_seconds = time.perf_counter() - generation_started
     stats.peak_memory_bytes = mx.get_peak_memory()
 
