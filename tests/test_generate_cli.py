@@ -148,11 +148,11 @@ def test_kv_bits_quantizes_full_attention_only(tiny_loaded):
     assert {type(c) for c in cache} == {QuantizedKVCache, RotatingKVCache}
 
 
-def test_unknown_model_is_a_clean_error(tmp_path):
-    out = cli("generate", "--model", str(tmp_path / "nothing-here"), "--prompt", "hi")
-    assert out.returncode != 0
-    assert "nothing-here" in out.stderr
-    assert "Traceback" not in out.stderr
+def test_unknown_model_is_a_clean_error(capsys, tmp_path):
+    code, out, err = run_in_process(capsys, "generate", "--model", str(tmp_path / "nothing-here"),
+                                    "--prompt", "hi")
+    assert code == 1 and out == ""
+    assert "nothing-here" in err and err.startswith("rewind: error:")
 
 
 def test_bad_cache_file_is_a_clean_error(capsys, tmp_path, tiny_model_path):
