@@ -22,6 +22,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from rewind.config import BLOCK_TOKENS
 
 KEY_BYTES = 16
@@ -46,7 +48,7 @@ def _hasher() -> "hashlib._Hash":
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     # Fixed-width little-endian ids: unambiguous, and the same on every machine.
-    return b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens)
+    return np.asarray(tokens, dtype="<u4").tobytes()
 
 
 def root_key(fingerprint: str, layout: str, salt: str = "") -> bytes:
