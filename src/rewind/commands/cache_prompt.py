@@ -110,7 +110,22 @@ def _load(path: str) -> tuple[list[Any], dict[str, str]]:
 
 
 def read_cache_metadata(path: str) -> SavedPrompt:
-    _, metadata = _load(path)
+    """The file's metadata from its safetensors header alone: no tensor is read."""
+    from mlx.utils import tree_unflatten
+
+    try:
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            if not 0 < header_size < 1 << 30:
+                raise ValueError("no safetensors header")
+            header = json.loads(handle.read(header_size))
+        metadata = tree_unflatten(list(header["__metadata__"].items()))[0]
+    except FileNotFoundError as exc:
+        raise UserError(f"no prompt cache file at {path}") from exc
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"{path} is not a readable prompt cache: {exc}") from exc
+    if not isinstance(metadata, dict):
+        raise UserError(f"{path} is not a rewind prompt cache (make one with `rewind cache-prompt`)")
     return SavedPrompt.from_metadata(path, metadata)
 
 
