@@ -1,0 +1,279 @@
+"""Image prompts through the vision adapter and the engine: the same logits as mlx-vlm's own
+Gemma 3, and the prompt cache never changes an image prompt's answer (repeat, next turn, another
+image at the same place, two images, a restore inside an image span), batched or not."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_vlm")
+pytest.importorskip("PIL")
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from rewind.cache import PromptCache  # noqa: E402
+from rewind.config import BLOCK_TOKENS, CacheConfig, EngineConfig  # noqa: E402
+from rewind.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from rewind.models.loader import load_model  # noqa: E402
+from rewind.testing.tiny_vision import BOI, IMAGE_TOKENS, build_tiny_vision_model  # noqa: E402
+from rewind.vision.images import DecodedImage, ImageError, image_from_bytes  # noqa: E402
+from rewind.vision.prompting import ImagePrompt, prepare_image_prompt  # noqa: E402
+from rewind.vision.vlm import adapter_for  # noqa: E402
+
+TIMEOUT = 120
+FILLER = "An agent reads a long conversation again and again, and each turn adds a tool result. "
+
+
+def picture(seed: int, size: tuple[int, int] = (320, 240)) -> DecodedImage:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, "PNG")
+    return image_from_bytes(buffer.getvalue())
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    folder = build_tiny_vision_model(tmp_path_factory.mktemp("tiny-vision"))
+    loaded = load_model(str(folder))
+    return loaded, adapter_for(loaded)
+
+
+def encode(loaded, text: str) -> list[int]:
+    return list(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+
+def prefix_of(loaded, length: int) -> list[int]:
+    """About `length` tokens of plain text (exactly `length` after the cut)."""
+    tokens = encode(loaded, FILLER * (length // 10 + 2))
+    assert len(tokens) >= length
+    return tokens[:length]
+
+
+def image_prompt(vision, parts: list, checkpoints: list[int] | None = None) -> ImagePrompt:
+    """parts: token lists, strings, or DecodedImage (one placeholder each), in order."""
+    loaded, adapter = vision
+    tokens: list[int] = []
+    images: list[DecodedImage] = []
+    for part in parts:
+        if isinstance(part, DecodedImage):
+            tokens.append(adapter.boi_token_id)
+            images.append(part)
+        elif isinstance(part, str):
+            tokens += encode(loaded, part)
+        else:
+            tokens += part
+    return prepare_image_prompt(adapter, loaded.model, tokens, images, checkpoints or [len(tokens)])
+
+
+def request(prompt: ImagePrompt, max_tokens: int = 6) -> GenerationRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=3)
+    return GenerationRequest(prompt.tokens, params, prompt.checkpoints, prompt.extras,
+                             embed=prompt.embed)
+
+
+def reference(vision, prompt: ImagePrompt, max_tokens: int = 6):
+    with Engine(vision[0], EngineConfig(parallel=1)) as engine:
+        return engine.generate(request(prompt, max_tokens), TIMEOUT)
+
+
+def assert_same(result, expected) -> None:
+    assert result.finish.reason == expected.finish.reason, result.finish.error
+    assert result.tokens == expected.tokens
+    np.testing.assert_allclose(result.logprobs, expected.logprobs, atol=2e-3)
+
+
+@pytest.fixture
+def cached_engine(vision, tmp_path):
+    loaded = vision[0]
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
+    engine = Engine(loaded, EngineConfig(parallel=2), prompt_cache).start()
+    yield engine
+    engine.shutdown()
+    prompt_cache.close()
+
+
+# ---- the adapter ----------------------------------------------------------------------------
+
+
+def test_embeddings_and_logits_equal_mlx_vlm_gemma3(vision):
+    """Our split (mlx-vlm tower + projector -> embeddings -> mlx-lm language model) computes what
+    mlx-vlm's whole Gemma 3 model computes for the same prompt and image."""
+    from mlx_vlm.utils import load_model as load_vlm
+
+    loaded, adapter = vision
+    image = picture(1)
+    prompt = image_prompt(vision, ["Look: ", image, " what is it?"])
+    reference_model = load_vlm(Path(loaded.path))
+    ids = mx.array([prompt.tokens])
+    pixels = mx.array(adapter.preprocess(image)[None])
+    hidden, _, _ = reference_model.vision_tower(pixels, output_hidden_states=True)
+    features = reference_model.multi_modal_projector(hidden)
+    text_embeds = reference_model.language_model.model.embed_tokens(ids)
+    embeds, _ = reference_model.prepare_inputs_for_multimodal(
+        reference_model.config.hidden_size, reference_model.config.pad_token_id,
+        adapter.image_token_id, features, text_embeds, ids, mx.ones(ids.shape))
+    ours = prompt.embed(0, len(prompt.tokens))
+    # Compared before the forward passes: Gemma 3 scales its input embeddings in place (`h *=`).
+    np.testing.assert_allclose(np.array(ours), np.array(embeds), atol=1e-5)
+    expected = reference_model.language_model(ids, inputs_embeds=embeds).logits
+    logits = loaded.model(ids, input_embeddings=ours)
+    np.testing.assert_allclose(np.array(logits), np.array(expected), atol=1e-3)
+
+
+def test_any_chunking_gives_the_same_embeddings(vision):
+    prompt = image_prompt(vision, ["a", picture(2), "b", picture(3), "c"])
+    total = len(prompt.tokens)
+    whole = np.array(prompt.embed(0, total))
+    first, second = prompt.prompt.spans
+    for cut in (first.start, first.start + 5, first.end - 1, second.start + 17, total - 1):
+        parts = np.concatenate([np.array(prompt.embed(0, cut)), np.array(prompt.embed(cut, total))],
+                               axis=1)
+        np.testing.assert_array_equal(parts, whole)
+
+
+def test_expansion_spans_and_checkpoint_positions(vision):
+    loaded, adapter = vision
+    text = encode(loaded, "before")
+    tokens = text + [adapter.boi_token_id] + text + [adapter.boi_token_id] + text
+    images = [picture(4), picture(5)]
+    prepared = prepare_image_prompt(adapter, loaded.model, tokens, images, [len(text), len(tokens)])
+    spans = prepared.prompt.spans
+    added = len(adapter.newline_ids) * 2 + IMAGE_TOKENS + 1  # newlines, image tokens, EOI
+    assert len(prepared.tokens) == len(tokens) + 2 * added
+    assert [s.end - s.start for s in spans] == [IMAGE_TOKENS, IMAGE_TOKENS]
+    assert prepared.tokens[spans[0].start - 1] == adapter.boi_token_id
+    assert prepared.tokens[spans[0].end] == adapter.eoi_token_id
+    assert set(prepared.tokens[spans[1].start:spans[1].end]) == {adapter.image_token_id}
+    assert prepared.checkpoints == [len(text), len(prepared.tokens)]
+    assert prepared.extras.image_hashes == [(s.start, s.end, im.sha256) for s, im in zip(spans, images)]
+
+
+def test_placeholders_must_match_the_images(vision):
+    loaded, adapter = vision
+    tokens = encode(loaded, f"one {BOI} two {BOI}")
+    assert tokens.count(adapter.boi_token_id) == 2
+    with pytest.raises(ImageError, match="2 image placeholder"):
+        prepare_image_prompt(adapter, loaded.model, tokens, [picture(1)])
+    with pytest.raises(ImageError, match="image token as text"):
+        prepare_image_prompt(adapter, loaded.model, tokens + [adapter.image_token_id],
+                             [picture(1), picture(2)])
+
+
+# ---- the engine and the prompt cache ----------------------------------------------------------
+
+
+def test_repeated_image_prompt_restores_its_whole_prefix(vision, cached_engine):
+    prompt = image_prompt(vision, [prefix_of(vision[0], 300), picture(6), " describe it"])
+    expected = reference(vision, prompt)
+    first = cached_engine.generate(request(prompt), TIMEOUT)
+    second = cached_engine.generate(request(prompt), TIMEOUT)
+    assert first.finish.usage.cached_tokens == 0
+    assert second.finish.usage.cached_tokens == len(prompt.tokens) - 1
+    assert_same(first, expected)
+    assert_same(second, expected)
+
+
+def test_next_turn_after_an_image(vision, cached_engine):
+    loaded = vision[0]
+    image = picture(7)
+    turn1 = image_prompt(vision, [prefix_of(loaded, 200), image, " describe it"])
+    answer = cached_engine.generate(request(turn1, 8), TIMEOUT)
+    turn2 = image_prompt(vision, [prefix_of(loaded, 200), image, " describe it", answer.tokens,
+                                  " and now the colours?"])
+    second = cached_engine.generate(request(turn2), TIMEOUT)
+    assert second.finish.usage.cached_tokens == len(turn1.tokens) + len(answer.tokens) - 1
+    assert_same(second, reference(vision, turn2))
+
+
+def test_another_image_at_the_same_place_misses_from_its_first_block(vision, cached_engine):
+    prefix = prefix_of(vision[0], 300)
+    first = image_prompt(vision, [prefix, picture(8), " describe it"])
+    other = image_prompt(vision, [prefix, picture(9), " describe it"])
+    assert first.tokens == other.tokens  # the same placeholder tokens: only the pixels differ
+    span_start = other.prompt.spans[0].start
+    cached_engine.generate(request(first), TIMEOUT)
+    result = cached_engine.generate(request(other), TIMEOUT)
+    # The 256-token block before the image is shared; the block holding the image is not.
+    assert result.finish.usage.cached_tokens == (span_start // BLOCK_TOKENS) * BLOCK_TOKENS == 256
+    expected = reference(vision, other)
+    assert_same(result, expected)
+    assert expected.tokens != reference(vision, first).tokens  # the image does matter
+
+
+def test_two_images_repeat_and_change_the_second(vision, cached_engine):
+    loaded = vision[0]
+    a, b, c = picture(10), picture(11), picture(12)
+    text = prefix_of(loaded, 150)
+    both = image_prompt(vision, [text, a, " versus ", text, b, " compare them"])
+    changed = image_prompt(vision, [text, a, " versus ", text, c, " compare them"])
+    cached_engine.generate(request(both), TIMEOUT)
+    again = cached_engine.generate(request(both), TIMEOUT)
+    assert again.finish.usage.cached_tokens == len(both.tokens) - 1
+    assert_same(again, reference(vision, both))
+    second_start = changed.prompt.spans[1].start
+    result = cached_engine.generate(request(changed), TIMEOUT)
+    assert result.finish.usage.cached_tokens == (second_start // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert result.finish.usage.cached_tokens > changed.prompt.spans[0].end  # past the first image
+    assert_same(result, reference(vision, changed))
+
+
+def test_restore_that_stops_inside_an_image_span(vision, cached_engine):
+    """A 256-token checkpoint inside an image span is restored and the rest of the span is
+    prefilled from the sliced features."""
+    loaded = vision[0]
+    image = picture(13)
+    prefix = prefix_of(loaded, 220)
+    first = image_prompt(vision, [prefix, image, " first question, about the shapes"])
+    other = image_prompt(vision, [prefix, image, " another question entirely"])
+    span = other.prompt.spans[0]
+    assert span.start < BLOCK_TOKENS < span.end
+    cached_engine.generate(request(first), TIMEOUT)
+    result = cached_engine.generate(request(other), TIMEOUT)
+    assert result.finish.usage.cached_tokens == BLOCK_TOKENS
+    assert_same(result, reference(vision, other))
+
+
+def test_tower_output_is_reused_when_the_prompt_cache_misses(vision, cached_engine):
+    loaded, adapter = vision
+    image = picture(14)
+    cached_engine.generate(request(image_prompt(vision, ["first system text ", image, " hi"])),
+                           TIMEOUT)
+    runs = adapter.tower_runs
+    other_prefix = image_prompt(vision, ["another system text ", image, " hi"])
+    result = cached_engine.generate(request(other_prefix), TIMEOUT)
+    assert result.finish.usage.cached_tokens < other_prefix.prompt.spans[0].start
+    assert adapter.tower_runs == runs  # features came from the LRU
+    assert_same(result, reference(vision, other_prefix))
+
+
+def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
+    loaded = vision[0]
+    prompts = [
+        image_prompt(vision, [prefix_of(loaded, 90), picture(15), " describe it"]),
+        image_prompt(vision, ["short ", picture(16), " and ", picture(17), " compare"]),
+    ]
+    texts = [encode(loaded, FILLER * 3), encode(loaded, "def fibonacci(n: int) -> int:")]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+
+    def all_requests() -> list[GenerationRequest]:
+        image_requests = [request(p, 10) for p in prompts]
+        text_requests = [GenerationRequest(t, params) for t in texts]
+        return [image_requests[0], text_requests[0], image_requests[1], text_requests[1]]
+
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        alone = [engine.generate(r, TIMEOUT).tokens for r in all_requests()]
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, EngineConfig(parallel=4), prompt_cache) as engine:
+            handles = [engine.submit(r) for r in all_requests()]
+            together = [h.collect(TIMEOUT) for h in handles]
+    finally:
+        prompt_cache.close()
+    assert all(c.finish.reason == "length" for c in together), [c.finish.error for c in together]
+    assert [c.tokens for c in together] == alone
