@@ -184,20 +184,23 @@ def run(args: argparse.Namespace) -> int:
     scripts = [session_script(args, s) for s in range(args.sessions)]
     options = ServerOptions(parallel=args.parallel, context=args.context)
     log_dir = args.out / "logs"
+
+    def write(records: list[dict], runs: dict, notes: list[str]) -> list:
+        summary, tables, plots = summarize(records, names, args.turns)
+        return Report(
+            workload=NAME, command=command_line(),
+            params={"model": model.name, "sessions": args.sessions, "turns": args.turns,
+                    "system_tokens": args.system_tokens, "tool_tokens": args.tool_tokens,
+                    "answer_tokens": args.answer_tokens, "max_tokens": args.max_tokens,
+                    "parallel": args.parallel, "repeats": args.repeats},
+            servers={n: describe_server(n) for n in names},
+            fairness=FAIRNESS + [CONCURRENCY_NOTE],
+            records=records, summary={"per_server": summary, "runs": runs},
+            tables=tables, plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick))
+
     records, runs, notes = run_servers(
         args, names, model, lambda name: options, make_workload(args, system, scripts),
-        calibrate_tokens=64 if args.quick else 1024, log_dir=log_dir)
-    summary, tables, plots = summarize(records, names, args.turns)
-    report = Report(
-        workload=NAME, command=command_line(),
-        params={"model": model.name, "sessions": args.sessions, "turns": args.turns,
-                "system_tokens": args.system_tokens, "tool_tokens": args.tool_tokens,
-                "answer_tokens": args.answer_tokens, "max_tokens": args.max_tokens,
-                "parallel": args.parallel, "repeats": args.repeats},
-        servers={n: describe_server(n) for n in names},
-        fairness=FAIRNESS + [CONCURRENCY_NOTE],
-        records=records, summary={"per_server": summary, "runs": runs},
-        tables=tables, plots=plots, notes=notes)
-    for path in report.write(args.out, out_stem(NAME, args.quick)):
+        calibrate_tokens=32 if args.quick else 1024, log_dir=log_dir, on_progress=write)
+    for path in write(records, runs, notes):
         print(path)
     return 0 if records else 1

@@ -128,18 +128,24 @@ def run(args: argparse.Namespace) -> int:
     model = model_files(args)
     prompts = [AgenticText(500 + i).long_document(args.prompt_tokens)
                + "\n\nSummarize the text above in one paragraph." for i in range(args.prompts)]
+
+    def write(records: list[dict], runs: dict, notes: list[str]) -> list:
+        summary, tables, plots = summarize(records, runs, labels)
+        return Report(
+            workload=NAME, command=command_line(),
+            params={"model": model.name, "prompts": args.prompts,
+                    "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                    "parallel": args.parallel, "hot_ram": args.hot_ram,
+                    "repeats": args.repeats},
+            servers={label: describe_server(server_of(label)) for label in labels},
+            fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
+            summary={"per_server": summary, "runs": runs}, tables=tables, plots=plots,
+            notes=notes).write(args.out, out_stem(NAME, args.quick))
+
     records, runs, notes = run_servers(args, labels, model, make_options(args),
                                        make_workload(args, prompts), calibrate_tokens=0,
-                                       log_dir=args.out / "logs", settle_s=args.settle)
-    summary, tables, plots = summarize(records, runs, labels)
-    report = Report(
-        workload=NAME, command=command_line(),
-        params={"model": model.name, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
-                "max_tokens": args.max_tokens, "parallel": args.parallel,
-                "hot_ram": args.hot_ram, "repeats": args.repeats},
-        servers={label: describe_server(server_of(label)) for label in labels},
-        fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
-        summary={"per_server": summary, "runs": runs}, tables=tables, plots=plots, notes=notes)
-    for path in report.write(args.out, out_stem(NAME, args.quick)):
+                                       log_dir=args.out / "logs", settle_s=args.settle,
+                                       on_progress=write)
+    for path in write(records, runs, notes):
         print(path)
     return 0 if records else 1

@@ -141,22 +141,26 @@ def run(args: argparse.Namespace) -> int:
     system = AgenticText(11).system_prompt(args.system_tokens)
     scripts = [user_script(args, u) for u in range(args.users)]
     options = ServerOptions(parallel=args.parallel, context=16384)
+
+    def write(records: list[dict], runs: dict, notes: list[str]) -> list:
+        summary, tables, plots = summarize(records, labels, args.rounds)
+        return Report(
+            workload=NAME, command=command_line(),
+            params={"model": model.name, "users": args.users, "rounds": args.rounds,
+                    "system_tokens": args.system_tokens, "history_tokens": args.history_tokens,
+                    "question_tokens": args.question_tokens, "max_tokens": args.max_tokens,
+                    "parallel": args.parallel, "repeats": args.repeats},
+            servers={label: describe_server(server_of(label)) for label in labels},
+            fairness=FAIRNESS + [CONCURRENCY_NOTE,
+                                 "Each server's own answers join the history, so later prompts "
+                                 "differ slightly between servers (token counts are reported)."],
+            records=records, summary={"per_server": summary, "runs": runs}, tables=tables,
+            plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick))
+
     records, runs, notes = run_servers(args, labels, model, lambda label: options,
                                        make_workload(args, system, scripts),
-                                       calibrate_tokens=0, log_dir=args.out / "logs")
-    summary, tables, plots = summarize(records, labels, args.rounds)
-    report = Report(
-        workload=NAME, command=command_line(),
-        params={"model": model.name, "users": args.users, "rounds": args.rounds,
-                "system_tokens": args.system_tokens, "history_tokens": args.history_tokens,
-                "question_tokens": args.question_tokens, "max_tokens": args.max_tokens,
-                "parallel": args.parallel, "repeats": args.repeats},
-        servers={label: describe_server(server_of(label)) for label in labels},
-        fairness=FAIRNESS + [CONCURRENCY_NOTE,
-                             "Each server's own answers join the history, so later prompts "
-                             "differ slightly between servers (token counts are reported)."],
-        records=records, summary={"per_server": summary, "runs": runs}, tables=tables,
-        plots=plots, notes=notes)
-    for path in report.write(args.out, out_stem(NAME, args.quick)):
+                                       calibrate_tokens=0, log_dir=args.out / "logs",
+                                       on_progress=write)
+    for path in write(records, runs, notes):
         print(path)
     return 0 if records else 1

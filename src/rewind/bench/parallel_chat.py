@@ -124,19 +124,26 @@ def run(args: argparse.Namespace) -> int:
     servers = [n.strip() for n in args.servers.split(",") if n.strip()]
     labels = labels_for(servers, args.parallel)
     model = model_files(args)
+
+    def write(records: list[dict], runs: dict, notes: list[str]) -> list:
+        summary, tables = summarize(records, labels, args.parallel)
+        notes = list(notes)
+        if any(r["finish_reason"] == "length" for r in records):
+            notes.append("Some chats hit max_tokens instead of stopping naturally: "
+                         f"{sum(r['finish_reason'] == 'length' for r in records)} of "
+                         f"{len(records)}.")
+        return Report(
+            workload=NAME, command=command_line(),
+            params={"model": model.name, "parallel": args.parallel,
+                    "max_tokens": args.max_tokens, "repeats": args.repeats, "chats": len(CHATS)},
+            servers={label: describe_server(server_of(label)) for label in labels},
+            fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
+            summary={"per_server": summary, "runs": runs}, tables=tables,
+            notes=notes).write(args.out, out_stem(NAME, args.quick))
+
     records, runs, notes = run_servers(args, labels, model, options_for, make_workload(args),
-                                       calibrate_tokens=0, log_dir=args.out / "logs")
-    summary, tables = summarize(records, labels, args.parallel)
-    if any(r["finish_reason"] == "length" for r in records):
-        notes.append("Some chats hit max_tokens instead of stopping naturally: "
-                     f"{sum(r['finish_reason'] == 'length' for r in records)} of {len(records)}.")
-    report = Report(
-        workload=NAME, command=command_line(),
-        params={"model": model.name, "parallel": args.parallel, "max_tokens": args.max_tokens,
-                "repeats": args.repeats, "chats": len(CHATS)},
-        servers={label: describe_server(server_of(label)) for label in labels},
-        fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
-        summary={"per_server": summary, "runs": runs}, tables=tables, notes=notes)
-    for path in report.write(args.out, out_stem(NAME, args.quick)):
+                                       calibrate_tokens=0, log_dir=args.out / "logs",
+                                       on_progress=write)
+    for path in write(records, runs, notes):
         print(path)
     return 0 if records else 1

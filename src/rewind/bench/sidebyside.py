@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -79,6 +80,7 @@ class ServerRun:
 
 
 WorkloadFn = Callable[[ServerRun], list[dict[str, Any]]]
+ProgressFn = Callable[[list[dict[str, Any]], dict[str, Any], list[str]], None]
 
 
 def quick_model_dir() -> Path:
@@ -117,9 +119,9 @@ def calibrate_prefill(run_server: ServerProcess, tokens: int, seed: int) -> floa
 
 def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                 options_for: Callable[[str], ServerOptions], workload: WorkloadFn,
-                calibrate_tokens: int, log_dir: Path,
-                settle_s: float = 0.0) -> tuple[list[dict[str, Any]],
-                                                                dict[str, Any], list[str]]:
+                calibrate_tokens: int, log_dir: Path, settle_s: float = 0.0,
+                on_progress: ProgressFn | None = None,
+                ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     """Runs `workload` on each server for each repeat. Returns (records, per-run info, notes).
 
     `names` are labels: a server name, optionally with a variant after '@' ("rewind@p1"), which
@@ -127,8 +129,11 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
     prefill calibration (memory runs, where its cache would count as the workload's RAM).
 
     Servers that cannot run here are skipped with a note, so one missing baseline does not
-    lose the others' numbers.
+    lose the others' numbers. `on_progress(records, runs, notes)` is called after each server's
+    run, so a long run that is cut short still leaves the results it had.
     """
+    # A SIGTERM (a timeout, a CI cancel) must unwind through `finally` and stop the server.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if "llama.cpp" in names and model.gguf is not None:
         try:
             ensure_llama_cpp(install=args.install_llama_cpp)
@@ -192,7 +197,13 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             finally:
                 sampler.stop()
                 server.stop()
+            if on_progress is not None:
+                on_progress(records, runs, notes)
     return records, runs, notes
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def server_of(label: str) -> str:
