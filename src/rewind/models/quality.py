@@ -28,12 +28,13 @@ def perplexity(model: Any, tokenizer: Any, text: str) -> float:
 
 
 def compute_in_float32(model: Any) -> Any:
-    """Cast a model's float parameters to float32 (quantized weights stay packed): on CPU only
-    float32 matmuls reach OpenBLAS, and it makes the measurement independent of the stored form's
-    activation dtype."""
+    """Dequantize and cast to float32, as rewind's loader does on CPU (only float32 matmuls reach
+    OpenBLAS): the stored form's rounding stays, the activation dtype no longer differs per form."""
     import mlx.core as mx
     from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
 
+    dequantize_model(model)
     model.update(tree_map(lambda value: value.astype(mx.float32)
                           if mx.issubdtype(value.dtype, mx.floating) else value, model.parameters()))
     mx.eval(model.parameters())
