@@ -1,0 +1,248 @@
+"""Prefill and decode tokens/s of one model: Rewind's path vs plain mlx-lm, side by side.
+
+Rewind: rewind.models.loader.load_model (float32 on CPU, bf16/int8 decode head) and
+rewind.engine.single.generate_tokens (chunked prefill, logits for the last position only).
+mlx-lm: mlx_lm.load + mlx_lm.generate.stream_generate on the same folder, as stored, and (with
+`--mlx-lm-float32`) with its weights cast to float32, the fastest plain-mlx-lm form on a CPU.
+Results: benchmarks/results/speed.{json,md} (speed-no-openblas.* when OpenBLAS is not loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("benchmarks/results")
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="registry name or model folder")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="JSON output (Markdown beside it); default benchmarks/results/"
+                             "speed.json, or speed-no-openblas.json without OpenBLAS")
+    parser.add_argument("--skip-mlx-lm", action="store_true", help="measure Rewind's path only")
+    parser.add_argument("--mlx-lm-float32", action="store_true",
+                        help="also measure mlx-lm with its weights cast to float32")
+    parser.add_argument("--cpu-head", default=None, choices=["auto", "bf16", "int8", "off"],
+                        help="Rewind's CPU decode head (default: the loader's, REWIND_CPU_HEAD)")
+    parser.add_argument("--also-int8-head", action="store_true",
+                        help="also measure Rewind with the int8 CPU decode head")
+    parser.add_argument("--head-perplexity", type=Path, default=None, metavar="TEXT_FILE",
+                        help="also report perplexity on this text with each decode-head form")
+
+
+def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random prompt (speed does not depend on which tokens)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, min(vocab_size, 32000), size=count).tolist()
+
+
+def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
+                   cpu_head: str | None) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from rewind.engine.fast_head import fast_head
+    from rewind.engine.single import generate_tokens
+    from rewind.models.loader import load_model
+
+    loaded = load_model(model_name, cpu_head=cpu_head)
+    model = loaded.model
+    for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
+        pass
+    start, cpu_start = time.perf_counter(), time.process_time()
+    stream = generate_tokens(model, tokens, max_tokens=gen_tokens)
+    next(stream)
+    first, cpu_first = time.perf_counter(), time.process_time()
+    produced = 1 + sum(1 for _ in stream)
+    end, cpu_end = time.perf_counter(), time.process_time()
+    head = fast_head(model)
+    result = {
+        "path": "rewind" if cpu_head in (None, "auto") else f"rewind ({cpu_head} head)",
+        "prefill_tps": len(tokens) / (first - start),
+        "decode_tps": (produced - 1) / (end - first) if produced > 1 else None,
+        "generated": produced,
+        "prefill_cpu_s": cpu_first - cpu_start,
+        "decode_cpu_s": cpu_end - cpu_first,
+        "compute_dtype": str(next(iter(_float_dtypes(model)), "")),
+        "decode_head": head.form if head is not None else "mlx",
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "model_path": str(loaded.path),
+    }
+    del loaded, model
+    return result
+
+
+def head_perplexities(model_name: str, text: str) -> dict[str, float]:
+    """Perplexity of `text` with the float32 MLX head and each CPU head form: the quality cost
+    of a cheaper decode head (the backbone is shared, so only the head differs)."""
+    import math
+
+    import mlx.core as mx
+    import numpy as np
+
+    from rewind.engine.fast_head import HEAD_FORMS, CpuHead, build_kernel, head_weight
+    from rewind.engine.forward import split_model
+
+    loaded = load_model_off(model_name)
+    split = split_model(loaded.model)
+    if split is None:
+        return {}
+    tokens = loaded.tokenizer.encode(text)
+    hidden = split.backbone(mx.array([tokens[:-1]]), cache=None)[0]
+    targets = np.array(tokens[1:])
+
+    def perplexity(logits: mx.array) -> float:
+        log_probs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return math.exp(-float(log_probs[np.arange(len(targets)), targets].mean()))
+
+    results = {"mlx float32": perplexity(split.head(hidden))}
+    kernel, weight = build_kernel(), head_weight(loaded.model)
+    if kernel is not None and weight is not None:
+        for form in HEAD_FORMS:
+            results[form] = perplexity(CpuHead(weight, form, kernel)(hidden))  # type: ignore[arg-type]
+    return results
+
+
+def load_model_off(model_name: str) -> Any:
+    from rewind.models.loader import load_model
+
+    return load_model(model_name, cpu_head="off")
+
+
+def _float_dtypes(model: Any) -> set[Any]:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+
+
+def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = load(str(path))
+    if float32:
+        model.set_dtype(mx.float32)
+    stored = sorted(str(d) for d in _float_dtypes(model))
+    for _ in stream_generate(model, tokenizer, tokens[:64], max_tokens=4):  # warm-up
+        pass
+    last = None
+    cpu_start = time.process_time()
+    cpu_first = None
+    for last in stream_generate(model, tokenizer, tokens, max_tokens=gen_tokens):
+        if cpu_first is None:
+            cpu_first = time.process_time()
+    cpu_end = time.process_time()
+    assert last is not None and cpu_first is not None
+    result = {
+        "path": "mlx-lm float32" if float32 else "mlx-lm as stored",
+        "prefill_tps": last.prompt_tps,
+        "decode_tps": last.generation_tps,
+        "generated": last.generation_tokens,
+        "prefill_cpu_s": cpu_first - cpu_start,
+        "decode_cpu_s": cpu_end - cpu_first,
+        "compute_dtype": ",".join(stored),
+        "decode_head": "mlx",
+        "peak_memory_gb": last.peak_memory,
+        "model_path": str(path),
+    }
+    del model, tokenizer
+    return result
+
+
+def markdown(report: dict[str, Any]) -> str:
+    from rewind.bench.machine import machine_markdown
+
+    lines = [
+        f"# Speed: {report['model']} ({report['blas']})",
+        "",
+        f"Prompt {report['prompt_tokens']} tokens, {report['gen_tokens']} generated, one sequence.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "Wall-clock tokens/s, and process CPU seconds per phase (all threads): on a shared machine "
+        "the CPU seconds say how much work each path does, whatever else is running.",
+        "",
+        "| path | prefill tok/s | decode tok/s | prefill CPU s | decode CPU s | compute dtype "
+        "| decode head | peak GB |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for row in report["rows"]:
+        decode = f"{row['decode_tps']:.1f}" if row["decode_tps"] else "n/a"
+        lines.append(f"| {row['path']} | {row['prefill_tps']:.1f} | {decode} | "
+                     f"{row['prefill_cpu_s']:.1f} | {row['decode_cpu_s']:.1f} | "
+                     f"{row['compute_dtype']} | {row['decode_head']} | {row['peak_memory_gb']:.2f} |")
+    if "head_perplexity" in report:
+        perplexity = dict(report["head_perplexity"])
+        text = perplexity.pop("text")
+        lines += ["", f"Perplexity on `{text}` by decode head (same backbone): "
+                  + ", ".join(f"{form} {value:.3f}" for form, value in perplexity.items())]
+    lines += ["", "## Machine", "", machine_markdown(report["machine"]), ""]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from rewind import blas
+    from rewind.bench.machine import machine_info
+    from rewind.models.loader import resolve
+
+    path = resolve(args.model)
+    config = json.loads((path / "config.json").read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)
+    tokens = prompt_tokens(args.prompt_tokens, vocab)
+    rows = []
+    print(blas.status())
+    rows.append(measure_rewind(args.model, tokens, args.gen_tokens, args.cpu_head))
+    _print_row(rows[-1])
+    if args.also_int8_head:
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, "int8"))
+        _print_row(rows[-1])
+    forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
+    for float32 in forms:
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        rows.append(measure_mlx_lm(path, tokens, args.gen_tokens, float32))
+        _print_row(rows[-1])
+    openblas = blas.openblas_active()
+    out = args.json or RESULTS / ("speed.json" if openblas else "speed-no-openblas.json")
+    report = {
+        "command": "rewind bench speed " + " ".join(sys.argv[sys.argv.index("speed") + 1:])
+        if "speed" in sys.argv else "rewind bench speed",
+        "model": args.model,
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "blas": "OpenBLAS" if openblas else "no OpenBLAS (MLX reference BLAS)",
+        "rows": rows,
+        "machine": machine_info(),
+    }
+    if args.head_perplexity is not None:
+        report["head_perplexity"] = {"text": str(args.head_perplexity), **head_perplexities(
+            args.model, args.head_perplexity.read_text())}
+        print("perplexity by decode head:", report["head_perplexity"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    decode = f"{row['decode_tps']:7.1f}" if row["decode_tps"] else "    n/a"
+    print(f"{row['path']:<18} prefill {row['prefill_tps']:7.1f} tok/s   decode {decode} tok/s   "
+          f"({row['compute_dtype']}, head {row['decode_head']})", flush=True)
