@@ -111,3 +111,29 @@ def test_requested_checkpoints_serve_a_prompt_that_diverges_there(tiny_loaded, c
         reference = engine.generate(GenerationRequest(second, greedy(6)), TIMEOUT)
     assert hit.finish.usage.cached_tokens == len(head)
     assert hit.tokens == reference.tokens
+
+
+def test_decode_checkpoints_at_every_block_boundary_held(tiny_loaded, tmp_path):
+    """A long answer is checkpointed as it is generated: a later prompt that re-sends part of it
+    restores up to the last block boundary the answer crossed. (Blocks of 32 tokens here to keep
+    the test short; the engine follows the prompt cache's block size.) The recurrent layers make
+    the point: a restore at 64 needs their state at exactly 64, which only decode can record."""
+    loaded = tiny_loaded("qwen3_5")
+    prompt = loaded.tokenizer.encode("Once upon a time there was a small model")
+    assert len(prompt) < 32
+    no_eos = {int(t): -1e9 for t in Engine(loaded).eos_token_ids}
+    params = SamplingParams(temperature=0.0, max_tokens=80 - len(prompt), logit_bias=no_eos)
+    config = CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20, block_tokens=32)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, config)
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            answer = engine.generate(GenerationRequest(prompt, params), TIMEOUT)
+            follow_up = prompt + answer.tokens[: 75 - len(prompt)]
+            hit = engine.generate(GenerationRequest(follow_up, greedy(4)), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        reference = engine.generate(GenerationRequest(follow_up, greedy(4)), TIMEOUT)
+    assert len(prompt) + len(answer.tokens) == 80
+    assert hit.finish.usage.cached_tokens == 64  # the boundary crossed while decoding
+    assert hit.tokens == reference.tokens

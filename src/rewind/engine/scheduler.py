@@ -80,6 +80,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config
         self.prompt_cache = prompt_cache
+        # Chunks and checkpoints follow the prompt cache's block size (256 unless configured).
+        self.block_tokens: int = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
         self.eos_token_ids = eos_token_ids
         self.listeners = listeners
         self.counters = Counters()
@@ -194,7 +196,8 @@ class Scheduler:
         the output projection costs as much as the rest of a small model). The chunking is the
         same with and without a prompt cache, so the two differ only by what was restored."""
         total = len(seq.prompt)
-        stops = [(start // BLOCK_TOKENS + 1) * BLOCK_TOKENS, total - 1, total]
+        block = self.block_tokens
+        stops = [(start // block + 1) * block, total - 1, total]
         stops += [p for p in seq.checkpoint_at if p > start]
         return min(p for p in stops if start < p <= total)
 
@@ -295,7 +298,7 @@ class Scheduler:
         prompt and every generated token but the last, which is the next step's input."""
         for row, seq in enumerate(self.decoding):
             held = len(seq.prompt) + len(seq.generated) - 1
-            if held % BLOCK_TOKENS != 0 and row not in finished_rows:
+            if held % self.block_tokens != 0 and row not in finished_rows:
                 continue
             if held <= len(seq.prompt):
                 continue  # nothing beyond the prompt's own checkpoints
