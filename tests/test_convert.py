@@ -178,6 +178,21 @@ def test_fix_tensor_undoes_gemma_norm_shift_only_on_gemma_norms():
     np.testing.assert_array_equal(fix_tensor("model.layers.0.mlp.up_proj.weight", stored, "gemma3", config), stored)
 
 
+def test_llama3_rope_table_gives_back_its_parameters():
+    from rewind.models.gguf_import import llama3_rope_factors, llama3_rope_scaling
+
+    for factor in (8.0, 32.0):
+        table = llama3_rope_factors(factor, 1.0, 4.0, 8192, 500000.0, 128).astype(np.float32)
+        # unscaled high frequencies, fully scaled low ones, and smoothed ones between
+        assert table.min() == 1.0 and table.max() == factor and ((table > 1.0) & (table < factor)).any()
+        assert llama3_rope_scaling(table, 500000.0, 128) == {
+            "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    other = llama3_rope_factors(8.0, 2.0, 4.0, 4096, 500000.0, 128).astype(np.float32)
+    with pytest.raises(GgufError, match="rope_freqs.weight"):
+        llama3_rope_scaling(other, 500000.0, 128, "odd.gguf")
+
+
 def test_quant_spec_forms():
     assert QuantSpec(16).form == "bf16"
     assert QuantSpec(8).form == "q8"

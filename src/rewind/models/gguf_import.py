@@ -142,9 +142,8 @@ def hf_config(gguf: GgufFile) -> dict[str, Any]:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 gguf.arch_value("rope.scaling.original_context_length", config["max_position_embeddings"]))
     if "rope_freqs.weight" in gguf.tensors:
-        # Llama 3.1+ ship their rope scaling as a table of factors; the HF parameters behind it are not
-        # stored in the GGUF, and guessing them would give a model that is subtly wrong on every token.
-        raise GgufError(f"{gguf.path}: tensor 'rope_freqs.weight' (Llama 3 rope scaling) is not supported yet")
+        table = dequantized(gguf, gguf.tensors["rope_freqs.weight"])
+        config["rope_scaling"] = llama3_rope_scaling(table, config["rope_theta"], head_dim, gguf.path)
 
     bos, eos = gguf.metadata.get("tokenizer.ggml.bos_token_id"), gguf.metadata.get("tokenizer.ggml.eos_token_id")
     if bos is not None:
@@ -176,6 +175,34 @@ def hf_config(gguf: GgufFile) -> dict[str, Any]:
     if eos_ids:
         config["eos_token_id"] = eos_ids if len(eos_ids) > 1 else eos_ids[0]
     return config
+
+
+# (low_freq_factor, high_freq_factor, original_max_position_embeddings) of every Llama 3.1 / 3.2 / 3.3.
+_LLAMA3_ROPE_CANDIDATES = ((1.0, 4.0, 8192),)
+
+
+def llama3_rope_factors(factor: float, low: float, high: float, original: int, base: float,
+                        head_dim: int) -> np.ndarray:
+    """The per-frequency factors llama.cpp's converter writes as rope_freqs.weight (its
+    LlamaModel.generate_extra_tensors), for HF's llama3 rope_scaling parameters."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelens = 2 * np.pi / freqs
+    smooth = (original / wavelens - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelens < original / high, 1.0, np.where(wavelens > original / low, factor, medium))
+
+
+def llama3_rope_scaling(table: np.ndarray, base: float, head_dim: int, source: object = "") -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's factor table: the GGUF keeps only the table,
+    mlx-lm wants the parameters. Only an exact match is accepted; a guess would be subtly wrong."""
+    factor = float(table.max())
+    for low, high, original in _LLAMA3_ROPE_CANDIDATES:
+        expected = llama3_rope_factors(factor, low, high, original, base, head_dim)
+        if expected.shape == table.shape and np.allclose(expected, table, rtol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise GgufError(f"{source}: tensor 'rope_freqs.weight' holds rope factors that match no known "
+                    f"Llama 3 rope scaling (max factor {factor}); this file is not supported")
 
 
 def dequantized(gguf: GgufFile, tensor: GgufTensor) -> np.ndarray:
