@@ -88,15 +88,15 @@ def test_report_writes_json_markdown_and_png(tmp_path: Path) -> None:
                     servers={"a": "server a"}, fairness=["same weights"],
                     records=[{"server": "a", "ttft_s": 0.5}],
                     tables=[Table("Title", ["server", "ttft"], [["a", "0.50"]])],
-                    plots=[Plot("demo.png", "t", "x", "y", {"a": ([1, 2], [0.5, 0.4])})])
+                    plots=[Plot("plot.png", "t", "x", "y", {"a": ([1, 2], [0.5, 0.4])})])
     paths = report.write(tmp_path, "demo")
-    assert {p.name for p in paths} == {"demo.json", "demo.md", "demo.png"}
+    assert {p.name for p in paths} == {"demo.json", "demo.md", "demo-plot.png"}
     payload = json.loads((tmp_path / "demo.json").read_text())
     assert payload["records"] == [{"server": "a", "ttft_s": 0.5}]
     assert payload["machine"]["cores"] >= 1
     markdown = (tmp_path / "demo.md").read_text()
-    assert "| a | 0.50 |" in markdown and "![demo.png](demo.png)" in markdown
-    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| a | 0.50 |" in markdown and "![demo-plot.png](demo-plot.png)" in markdown
+    assert (tmp_path / "demo-plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # --- real servers on a tiny model ---------------------------------------------------------------
@@ -135,4 +135,4 @@ def test_agentic_quick_runs_and_reports(tmp_path: Path) -> None:
     assert any(r["cached_tokens"] > 0 for r in records if r["turn"] > 0)
     markdown = (tmp_path / "agentic-quick.md").read_text()
     assert "| rewind |" in markdown
-    assert (tmp_path / "agentic-ttft.png").exists()
+    assert (tmp_path / "agentic-quick-ttft.png").exists()

@@ -163,7 +163,7 @@ def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tu
                 xs.append(turn + 1)
                 ys.append(statistics.median(values))
         series[name] = (xs, ys)
-    plots = [Plot(f"{NAME}-ttft.png", "Agentic sessions: time to first token per turn",
+    plots = [Plot("ttft.png", "Agentic sessions: time to first token per turn",
                   "turn", "TTFT, s (median)", series, logy=True)]
     return summary, tables, plots
 
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             servers={n: describe_server(n) for n in names},
             fairness=FAIRNESS + [CONCURRENCY_NOTE],
             records=records, summary={"per_server": summary, "runs": runs},
-            tables=tables, plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick))
+            tables=tables, plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(
         args, names, model, lambda name: options, make_workload(args, system, scripts),

@@ -116,7 +116,7 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], labels: list[
     if ratio_rows:
         tables.append(Table("Extra RAM saved by the disk tier", ["comparison", "saved"],
                             ratio_rows))
-    plots = [Plot(f"{NAME}-rss.png", "RSS over time, four long prompts at once (first repeat)",
+    plots = [Plot("rss.png", "RSS over time, four long prompts at once (first repeat)",
                   "seconds since the prompts were sent", "RSS, MiB", series)]
     return summary, tables, plots
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             servers={label: describe_server(server_of(label)) for label in labels},
             fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
             summary={"per_server": summary, "runs": runs}, tables=tables, plots=plots,
-            notes=notes).write(args.out, out_stem(NAME, args.quick))
+            notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, make_options(args),
                                        make_workload(args, prompts), calibrate_tokens=0,

@@ -126,7 +126,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], rounds: int):
         ys = [statistics.median(r["ttft_s"] for r in by_round[(label, i)])
               for i in range(rounds) if by_round[(label, i)]]
         series[label] = (xs, ys)
-    plots = [Plot(f"{NAME}-ttft.png", "Multi-round QA: time to first token per round", "round",
+    plots = [Plot("ttft.png", "Multi-round QA: time to first token per round", "round",
                   "TTFT, s (median)", series, logy=True)]
     return summary, tables, plots
 
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                                  "Each server's own answers join the history, so later prompts "
                                  "differ slightly between servers (token counts are reported)."],
             records=records, summary={"per_server": summary, "runs": runs}, tables=tables,
-            plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick))
+            plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, lambda label: options,
                                        make_workload(args, system, scripts),

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             servers={label: describe_server(server_of(label)) for label in labels},
             fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
             summary={"per_server": summary, "runs": runs}, tables=tables,
-            notes=notes).write(args.out, out_stem(NAME, args.quick))
+            notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, options_for, make_workload(args),
                                        calibrate_tokens=0, log_dir=args.out / "logs",

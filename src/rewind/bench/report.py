@@ -51,7 +51,7 @@ class Table:
 
 @dataclass
 class Plot:
-    """Lines, one per series: {label: (xs, ys)}."""
+    """Lines, one per series: {label: (xs, ys)}. Saved as `<report stem>-<filename>`."""
 
     filename: str
     title: str
@@ -60,7 +60,7 @@ class Plot:
     series: dict[str, tuple[list[float], list[float]]]
     logy: bool = False
 
-    def save(self, folder: Path) -> Path:
+    def save(self, path: Path) -> Path:
         import matplotlib
 
         matplotlib.use("Agg")  # no display here or in CI
@@ -77,7 +77,6 @@ class Plot:
         axes.grid(True, alpha=0.3)
         axes.legend()
         figure.tight_layout()
-        path = folder / self.filename
         figure.savefig(path)
         plt.close(figure)
         return path
@@ -102,7 +101,7 @@ class Report:
         written: list[Path] = []
         for plot in self.plots:
             if any(xs for xs, _ in plot.series.values()):
-                written.append(plot.save(folder))
+                written.append(plot.save(folder / f"{stem}-{plot.filename}"))
         payload = {
             "workload": self.workload, "command": self.command, "machine": self.machine,
             "params": self.params, "servers": self.servers, "fairness": self.fairness,

@@ -52,6 +52,8 @@ def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
     parser.add_argument("--quick", action="store_true",
                         help="a minute-long smoke run: tiny model, few tokens, one repeat")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    parser.add_argument("--tag", default="",
+                        help="suffix for the result files (e.g. a partial run of some servers)")
     parser.add_argument("--install-llama-cpp", action="store_true",
                         help="build llama-cpp-python[server] if missing (~6 min on 2 cores)")
     parser.add_argument("--mlx-lm-as-stored", action="store_true",
@@ -211,5 +213,6 @@ def server_of(label: str) -> str:
     return label.split("@", 1)[0]
 
 
-def out_stem(workload: str, quick: bool) -> str:
-    return f"{workload}-quick" if quick else workload
+def out_stem(workload: str, quick: bool, tag: str = "") -> str:
+    stem = f"{workload}-quick" if quick else workload
+    return f"{stem}-{tag}" if tag else stem
