@@ -127,6 +127,7 @@ def test_queue_full_raises(tiny_loaded):
         with pytest.raises(QueueFullError) as raised:
             engine.submit(GenerationRequest(prompt, endless))
         assert raised.value.max_queue == 2
+        assert 1.0 <= raised.value.retry_after_seconds <= 60.0
         assert engine.stats()["queued"] == 2
         for handle in [running, *queued]:
             handle.cancel()

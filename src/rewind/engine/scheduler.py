@@ -90,14 +90,22 @@ class Scheduler:
         self.prefilling: deque[Sequence] = deque()
         self.decoding: list[Sequence] = []  # row i of the batch cache is decoding[i]
         self.batch_cache: list[Any] | None = None
+        self._typical_request_seconds = 0.0  # moving average over finished requests
 
     # ---- called from any thread -------------------------------------------------------------
 
     def enqueue(self, seq: Sequence) -> None:
         with self._lock:
             if len(self.waiting) >= self.config.max_queue:
-                raise QueueFullError(len(self.waiting), self.config.max_queue)
+                raise QueueFullError(len(self.waiting), self.config.max_queue,
+                                     self._retry_after(len(self.waiting)))
             self.waiting.append(seq)
+
+    def _retry_after(self, queued: int) -> float:
+        """When a slot is likely free for one more: the queue ahead drains `parallel` requests
+        per typical request time (1 s before any request finished)."""
+        typical = self._typical_request_seconds or 1.0
+        return min(60.0, max(1.0, typical * (queued + 1) / self.config.parallel))
 
     @property
     def running(self) -> int:
@@ -359,6 +367,10 @@ class Scheduler:
         usage = seq.usage
         usage.completion_tokens = len(seq.generated)
         usage.total_seconds = time.perf_counter() - seq.submitted_at
+        if reason in ("stop", "length"):
+            previous = self._typical_request_seconds
+            self._typical_request_seconds = (usage.total_seconds if previous == 0.0
+                                             else 0.8 * previous + 0.2 * usage.total_seconds)
         self.counters.requests_finished += 1
         reasons = self.counters.finish_reasons
         reasons[reason] = reasons.get(reason, 0) + 1
