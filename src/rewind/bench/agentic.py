@@ -20,7 +20,7 @@ from tqdm import tqdm
 from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args, command_line,
-                                     model_files, out_stem, run_servers)
+                                     model_files, out_stem, run_servers, server_log_dir)
 from rewind.bench.textgen import AgenticText, Turn, agent_messages
 
 NAME = "agentic"
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     system = AgenticText(SYSTEM_SEED).system_prompt(args.system_tokens)
     scripts = [session_script(args, s) for s in range(args.sessions)]
     options = ServerOptions(parallel=args.parallel, context=args.context)
-    log_dir = args.out / "logs"
+    log_dir = server_log_dir()
 
     def write(records: list[dict], runs: dict, notes: list[str]) -> list:
         summary, tables, plots = summarize(records, names, args.turns)

@@ -17,7 +17,8 @@ from tqdm import tqdm
 from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
-                                     command_line, model_files, out_stem, run_servers, server_of)
+                                     command_line, model_files, out_stem, run_servers,
+                                     server_log_dir, server_of)
 from rewind.bench.textgen import AgenticText
 
 NAME = "long-prompts-memory"
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
     records, runs, notes = run_servers(args, labels, model, make_options(args),
                                        make_workload(args, prompts), calibrate_tokens=0,
-                                       log_dir=args.out / "logs", settle_s=args.settle,
+                                       log_dir=server_log_dir(), settle_s=args.settle,
                                        on_progress=write)
     for path in write(records, runs, notes):
         print(path)

@@ -19,7 +19,8 @@ from tqdm import tqdm
 from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
-                                     command_line, model_files, out_stem, run_servers, server_of)
+                                     command_line, model_files, out_stem, run_servers,
+                                     server_log_dir, server_of)
 from rewind.bench.textgen import AgenticText
 
 NAME = "multi-round-qa"
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     records, runs, notes = run_servers(args, labels, model, lambda label: options,
                                        make_workload(args, system, scripts),
-                                       calibrate_tokens=0, log_dir=args.out / "logs",
+                                       calibrate_tokens=0, log_dir=server_log_dir(),
                                        on_progress=write)
     for path in write(records, runs, notes):
         print(path)

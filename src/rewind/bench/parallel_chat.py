@@ -18,7 +18,8 @@ from tqdm import tqdm
 from rewind.bench.report import Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
-                                     command_line, model_files, out_stem, run_servers, server_of)
+                                     command_line, model_files, out_stem, run_servers,
+                                     server_log_dir, server_of)
 
 NAME = "parallel-chat"
 CHATS = (
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, options_for, make_workload(args),
-                                       calibrate_tokens=0, log_dir=args.out / "logs",
+                                       calibrate_tokens=0, log_dir=server_log_dir(),
                                        on_progress=write)
     for path in write(records, runs, notes):
         print(path)

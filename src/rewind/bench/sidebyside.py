@@ -208,6 +208,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def server_log_dir() -> Path:
+    """Server logs go to the temp folder, not next to the results: they are for debugging a run,
+    and a failing server's log tail is printed (and noted) anyway."""
+    return Path(tempfile.gettempdir()) / "rewind-bench-logs"
+
+
 def server_of(label: str) -> str:
     """'rewind@p1' -> 'rewind'."""
     return label.split("@", 1)[0]
