@@ -99,28 +99,35 @@ def write_llamacpp_gguf(model_dir: Path, path: Path, arch: str, q8_tensors: tupl
     writer.close()
 
 
-def build_gemma3_pattern6(out_dir: Path, tiny_dir: Path) -> Path:
-    """A tiny gemma3_text with the real model's layer pattern (5 sliding, 1 global), which is what
-    the converter assumes for every Gemma 3 GGUF; the tokenizer comes from the tiny factory's."""
-    from mlx.utils import tree_flatten, tree_map
+def build_variant(out_dir: Path, tiny_dir: Path, **changes) -> Path:
+    """A tiny random model built from a tiny factory model's config with `changes` (another family or
+    layer pattern), with random norm weights too so that a wrong norm shift cannot go unseen; the
+    tokenizer is the tiny factory's."""
+    from mlx.utils import tree_map
     from mlx_lm.utils import _get_classes, save_config, save_model
 
-    config = json.loads((tiny_dir / "config.json").read_text())
-    config.update(num_hidden_layers=6, sliding_window_pattern=6)
+    config = {**json.loads((tiny_dir / "config.json").read_text()), **changes}
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(7)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    # random norm weights too, so that a wrong norm shift cannot go unseen
     model.update(tree_map(lambda v: v * 2.0 if v.ndim >= 2 else mx.random.normal(v.shape) * 0.3,
                           model.parameters()))
     mx.eval(model.parameters())
-    assert tree_flatten(model.parameters())
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out_dir / name).write_bytes((tiny_dir / name).read_bytes())
     return out_dir
+
+
+def source_model(arch: str, tiny_model_path, out_dir: Path) -> Path:
+    """A tiny model of `arch` as the converter expects it (Gemma 3: five sliding layers, one global)."""
+    if arch == "gemma3":
+        return build_variant(out_dir, tiny_model_path("gemma3"), num_hidden_layers=6, sliding_window_pattern=6)
+    if arch in ("qwen2", "qwen3"):
+        return build_variant(out_dir, tiny_model_path("llama"), model_type=arch)
+    return tiny_model_path("llama")
 
 
 def last_logits(model_dir: Path, tokens: list[int], dtype=mx.bfloat16) -> np.ndarray:
@@ -206,16 +213,15 @@ def test_quant_spec_forms():
 
 # -- round trips through a llama.cpp-style GGUF -------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_gguf_round_trip_gives_the_same_model(arch, tiny_model_path, tmp_path):
-    source = tiny_model_path("llama") if arch == "llama" else build_gemma3_pattern6(
-        tmp_path / "source", tiny_model_path("gemma3"))
+    source = source_model(arch, tiny_model_path, tmp_path / "source")
     gguf_path = tmp_path / "model.gguf"
     write_llamacpp_gguf(source, gguf_path, arch)
     out = convert(gguf_path, tmp_path / "converted", QuantSpec(16), show_progress=False)
 
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == ("llama" if arch == "llama" else "gemma3_text")
+    assert config["model_type"] == ("gemma3_text" if arch == "gemma3" else arch)
     np.testing.assert_allclose(last_logits(out, PROMPT), last_logits(source, PROMPT), rtol=1e-5, atol=1e-5)
 
     # the tokenizer rebuilt from the GGUF vocabulary encodes like the original one
@@ -230,7 +236,7 @@ def test_gemma_round_trip_without_norm_fix_differs(tiny_model_path, tmp_path):
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import load
 
-    source = build_gemma3_pattern6(tmp_path / "source", tiny_model_path("gemma3"))
+    source = source_model("gemma3", tiny_model_path, tmp_path / "source")
     write_llamacpp_gguf(source, tmp_path / "model.gguf", "gemma3")
     out = convert(tmp_path / "model.gguf", tmp_path / "converted", QuantSpec(16), show_progress=False)
     model, _ = load(str(out))
