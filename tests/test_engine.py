@@ -212,7 +212,8 @@ def test_a_failing_request_does_not_disturb_the_engine(tiny_loaded):
     loaded = tiny_loaded("llama")
     prompt = loaded.tokenizer.encode("hello world")
     with Engine(loaded) as engine:
-        broken = engine.submit(GenerationRequest(["not", "token", "ids"], greedy()))  # type: ignore[list-item]
+        not_ids: list = ["not", "token", "ids"]  # fails inside the engine, on its thread
+        broken = engine.submit(GenerationRequest(not_ids, greedy()))
         finish = broken.collect(TIMEOUT).finish
         assert finish.reason == "error" and finish.error
         healthy = engine.generate(GenerationRequest(prompt, greedy(max_tokens=4)), TIMEOUT)

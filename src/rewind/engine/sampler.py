@@ -1,4 +1,4 @@
-"""Per-sequence sampling: penalties, logit bias, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Per-sequence sampling: penalties, logit bias, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 Order (as vLLM and llama.cpp do it): repetition penalty -> presence / frequency penalties ->
 logit bias -> (logprobs are read here) -> temperature -> top-k -> top-p -> min-p -> draw.
@@ -142,6 +142,6 @@ def sample_rows(samplers: list[SequenceSampler], logits: mx.array) -> list[Sampl
         if top_ids is not None:
             pairs = zip(top_ids.tolist(), top_values.tolist())
             top = sorted(((int(i), float(v)) for i, v in pairs), key=lambda pair: -pair[1])
-        results.append(Sampled(int(token.item()), None if logprob is None else float(logprob.item()),
-                               top))
+        value = None if logprob is None else float(logprob.item())
+        results.append(Sampled(int(token.item()), value, top))
     return results

@@ -1,4 +1,4 @@
-"""The scheduler: admits requests into N slots, prefills them chunk by chunk, decodes them in one batch.
+"""The scheduler: admits requests into N slots, prefills them chunk by chunk, decodes them as a batch.
 
 Runs on the engine thread only (the one thread that touches the model and every live cache).
 Each loop iteration does at most one prefill chunk (so running sequences keep decoding) and one
