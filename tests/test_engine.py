@@ -237,3 +237,25 @@ def test_penalties_and_bias_reach_the_model_output(tiny_loaded):
     assert len(set(plain)) < len(plain)  # the random model repeats itself...
     assert len(set(penalised)) == len(penalised)  # ...unless every reuse costs 1e4
     assert biased == [42] * 5
+
+
+def test_each_row_keeps_its_own_sampling_in_a_mixed_batch(tiny_loaded):
+    """Greedy, seeded-sampled, penalised and logprob rows share decode steps; each gives what it
+    gives alone."""
+    loaded = tiny_loaded("llama")
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS[:4]]
+    bias = no_eos(loaded)
+    params = [
+        greedy(max_tokens=12, logit_bias=bias),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, logit_bias=bias),
+        greedy(max_tokens=12, logit_bias=bias, frequency_penalty=2.0),
+        SamplingParams(temperature=1.2, min_p=0.05, seed=9, max_tokens=12, logit_bias=bias,
+                       logprobs=True, top_logprobs=2),
+    ]
+    with Engine(loaded, EngineConfig(parallel=4)) as engine:
+        handles = [engine.submit(GenerationRequest(p, s)) for p, s in zip(prompts, params)]
+        together = [h.collect(TIMEOUT) for h in handles]
+        alone = [engine.generate(GenerationRequest(p, s), TIMEOUT) for p, s in zip(prompts, params)]
+    for t, a in zip(together, alone):
+        assert t.tokens == a.tokens
+    assert together[3].logprobs == pytest.approx(alone[3].logprobs, abs=1e-4)
