@@ -179,9 +179,14 @@ class Scheduler:
         usage.prompt_tokens = len(seq.prompt)
         self.counters.prompt_tokens += len(seq.prompt)
         self._notify("queue_seconds", usage.queue_seconds)
+        restored = None
         if self.prompt_cache is not None:
-            restored = self.prompt_cache.restore(seq.prompt, seq.request.extras,
-                                                 max_kv_size=self.config.max_kv_size)
+            try:
+                restored = self.prompt_cache.restore(seq.prompt, seq.request.extras,
+                                                     max_kv_size=self.config.max_kv_size)
+            except Exception:  # the cache is an optimisation: a fault costs recomputation only
+                log.exception("prompt-cache restore failed; computing the whole prompt")
+        if restored is not None:
             seq.cache, seq.prefilled = restored.cache, restored.tokens
             usage.cached_tokens = restored.tokens
             usage.cached_ram_tokens = restored.ram_tokens
