@@ -1,36 +1,45 @@
 """`rewind bench WORKLOAD ...`: each workload is a module in rewind.bench with
-`register(parser)` (adds its own options) and `run(args) -> int`."""
+`register(parser)` (adds its own options) and `run(args) -> int`.
+
+Workload modules import mlx, mlx-lm and HTTP clients; they are imported only when their workload
+runs, so `rewind --help` and every other command start without paying for them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-WORKLOADS = {
-    "speed": "rewind.bench.speed",
-    "kv-append": "rewind.bench.kv_append",
-    "model-forms": "rewind.bench.model_forms",
-    "prompt-cache": "rewind.bench.prompt_cache_bench",
-    "agentic": "rewind.bench.agentic",
-    "multi-round-qa": "rewind.bench.multi_round_qa",
-    "parallel-chat": "rewind.bench.parallel_chat",
-    "long-prompts-memory": "rewind.bench.long_prompts_memory",
-    "repeated-image": "rewind.bench.repeated_image",
-    "disk-tier": "rewind.bench.disk_tier",
+# name -> (module, one line for `rewind bench --help`)
+WORKLOADS: dict[str, tuple[str, str]] = {
+    "speed": ("rewind.bench.speed", "prefill/decode tokens/s: Rewind vs plain mlx-lm"),
+    "kv-append": ("rewind.bench.kv_append", "per-token concatenate vs preallocated in-place KV append"),
+    "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),
+    "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
+    "disk-tier": ("rewind.bench.disk_tier", "scratch-file store write and restore speed"),
+    "agentic": ("rewind.bench.agentic", "S agent sessions x T turns, side by side on each server"),
+    "multi-round-qa": ("rewind.bench.multi_round_qa", "users x rounds with shared system prompt (LMCache style)"),
+    "parallel-chat": ("rewind.bench.parallel_chat", "four short chats at once: --parallel 4 vs 1"),
+    "long-prompts-memory": ("rewind.bench.long_prompts_memory", "server RSS under four ~4k-token prompts"),
+    "repeated-image": ("rewind.bench.repeated_image", "the same image prompt twice: cache vs none"),
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark; results go to benchmarks/results/")
-    workloads = parser.add_subparsers(dest="workload", metavar="WORKLOAD")
-    for name, module_name in WORKLOADS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # a workload not built yet
-        sub = workloads.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        module.register(sub)
-        sub.set_defaults(func=module.run)
-    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    listing = "\n".join(f"  {name:<20} {summary}" for name, (_, summary) in WORKLOADS.items())
+    parser = subparsers.add_parser(
+        "bench", help="run a benchmark; results go to benchmarks/results/",
+        description=f"workloads:\n{listing}\n\n`rewind bench WORKLOAD --help` shows a workload's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workload", choices=sorted(WORKLOADS), metavar="WORKLOAD")
+    parser.add_argument("workload_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=run_workload)
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    module_name, summary = WORKLOADS[args.workload]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"rewind bench {args.workload}", description=summary)
+    module.register(parser)
+    workload_args = parser.parse_args(args.workload_args)
+    return module.run(workload_args) or 0
