@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cap each sequence's KV cache (rotating) at N tokens")
     parser.add_argument("--max-body", default="32MiB", metavar="SIZE",
                         help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--allow-image-urls", action="store_true",
+                        help="fetch http(s) image URLs sent in requests (off: only inline "
+                        "base64 images are accepted)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=run)
@@ -53,7 +56,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
                           max_kv_size=args.max_kv_size, cache=cache)
     return ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                        max_body_bytes=parse_size(args.max_body), engine=engine)
+                        max_body_bytes=parse_size(args.max_body),
+                        allow_image_urls=args.allow_image_urls, engine=engine)
 
 
 def build_prompt_cache(loaded, config: CacheConfig):  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,7 +17,7 @@ from rewind.server.chat_format import ChatPrompt, Message
 from rewind.server.errors import ApiError, bad_request, error_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
-from rewind.server.streaming import SSE_HEADERS, Generation, sse_event
+from rewind.server.streaming import KEEPALIVE_SECONDS, SSE_HEADERS, Generation, sse_event
 from rewind.server.tool_parsing import OutputSplitter, Piece, merge_pieces
 
 router = APIRouter()
@@ -45,7 +45,16 @@ def _system_text(system: str | list[AnthropicBlock] | None) -> str:
     return "\n\n".join(block.text or "" for block in system if block.type == "text")
 
 
-def neutral_messages(body: CountTokensRequest) -> list[Message]:
+def _image_source(block: AnthropicBlock) -> dict[str, Any]:
+    source = block.source
+    if not isinstance(source, dict):
+        raise bad_request("an image block needs a source object", param="messages")
+    return source
+
+
+def neutral_messages(body: CountTokensRequest,
+                     add_image: Callable[[dict[str, Any]], str] | None = None) -> list[Message]:
+    """`add_image(source)` takes an image block's source and returns its placeholder text."""
     out: list[Message] = []
     system = _system_text(body.system)
     if system:
@@ -79,6 +88,8 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
         for block in blocks:
             if block.type == "text":
                 texts.append(block.text or "")
+            elif block.type == "image" and add_image is not None:
+                texts.append(add_image(_image_source(block)))
             elif block.type == "tool_result":
                 result = _block_text(block.content)
                 if block.is_error:
@@ -87,7 +98,8 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
                             "content": result})
             else:
                 raise bad_request(f"user content blocks of type {block.type!r} are not "
-                                  "supported by this server (text and tool_result only)",
+                                  "supported by this server (text, image and tool_result "
+                                  "only)",
                                   param="messages")
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
@@ -121,11 +133,23 @@ def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
 def render(runtime: ServerRuntime, body: CountTokensRequest) -> tuple[list[Message], ChatPrompt]:
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
-    messages = neutral_messages(body)
+    images = runtime.image_collector()
+    messages = neutral_messages(body, lambda source: _add_image(runtime, images, source))
     prompt = runtime.formatter.render(messages, _tools(body) or None,
                                       tool_choice=_tool_choice(body),
                                       template_kwargs=_template_kwargs(body))
-    return messages, prompt
+    return messages, runtime.with_images(prompt, images)
+
+
+def _add_image(runtime: ServerRuntime, images: Any, source: dict[str, Any]) -> str:
+    """Anthropic image sources: {"type": "base64", "media_type", "data"} or {"type": "url"}."""
+    kind = source.get("type")
+    if kind == "base64":
+        return runtime.add_image(images, base64_data=source.get("data"))
+    if kind == "url":
+        return runtime.add_image(images, url=source.get("url"))
+    raise bad_request(f"image source type {kind!r} is not supported (base64 or url)",
+                      param="messages")
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -184,7 +208,7 @@ async def messages(request: Request) -> Any:
                               id_prefix="toolu_")
     if messages_[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages_[-1]["content"])
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt)
     generation = Generation(runtime, "messages", request, handle, splitter)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id
@@ -223,7 +247,10 @@ async def _message_stream(generation: Generation, message_id: str, model: str,
                                                        "index": index}))
         return events
 
-    async for piece in generation.pieces():
+    async for piece in generation.pieces(KEEPALIVE_SECONDS):
+        if piece is None:
+            yield sse_event("ping", {"type": "ping"})
+            continue
         if piece.kind != open_kind or piece.kind == "tool_call":
             if open_kind is not None:
                 for event in close():

@@ -29,6 +29,9 @@ class ChatPrompt:
     tokens: list[int]
     checkpoints: list[int] = field(default_factory=list)
     start_in_reasoning: bool = False  # the generation prompt opened a think block
+    # Image requests: rewind.vision.prompting.ImagePrompt (expanded tokens, image hashes, the
+    # embedding function); `tokens` and `checkpoints` are then the expanded ones.
+    image_prompt: Any = None
 
 
 def tool_system_prompt(tools: list[dict[str, Any]], tool_choice: str | None) -> str:

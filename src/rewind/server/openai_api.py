@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,10 +20,17 @@ from rewind.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ContentPart,
     NamedToolChoice,
     SamplingFields,
 )
-from rewind.server.streaming import SSE_HEADERS, Generation, sse_data
+from rewind.server.streaming import (
+    KEEPALIVE_SECONDS,
+    SSE_HEADERS,
+    SSE_KEEPALIVE,
+    Generation,
+    sse_data,
+)
 from rewind.server.tool_parsing import OutputFormat, OutputSplitter, Piece, ToolCall, collect
 
 router = APIRouter()
@@ -36,7 +43,17 @@ def _runtime(request: Request) -> ServerRuntime:
 # ---------------------------------------------------------------- request -> prompt
 
 
-def _text_of(message: ChatMessage) -> str:
+# An image part's URL -> the placeholder text that marks its place (ServerRuntime.add_image).
+AddImage = Callable[[Any], str]
+
+
+def _image_url(part: ContentPart) -> Any:
+    """OpenAI sends {"url": ..., "detail": ...}; a bare string is accepted too."""
+    value = part.image_url
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def _text_of(message: ChatMessage, add_image: AddImage | None = None) -> str:
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
@@ -44,9 +61,11 @@ def _text_of(message: ChatMessage) -> str:
     for part in content:
         if part.type in ("text", "input_text", "output_text") and part.text is not None:
             texts.append(part.text)
+        elif part.type == "image_url" and add_image is not None:
+            texts.append(add_image(_image_url(part)))
         else:
             raise bad_request(f"content parts of type {part.type!r} are not supported by this "
-                              "server (text only)", param="messages")
+                              "server (text and image_url only)", param="messages")
     return "".join(texts)
 
 
@@ -60,11 +79,12 @@ def _arguments(raw: str | dict[str, Any]) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def neutral_messages(messages: list[ChatMessage]) -> list[Message]:
+def neutral_messages(messages: list[ChatMessage],
+                     add_image: AddImage | None = None) -> list[Message]:
     out: list[Message] = []
     for message in messages:
         neutral: Message = {"role": "tool" if message.role == "function" else message.role,
-                            "content": _text_of(message)}
+                            "content": _text_of(message, add_image)}
         if message.tool_calls:
             neutral["tool_calls"] = [
                 {"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -168,9 +188,11 @@ async def chat_completions(request: Request) -> Any:
         raise bad_request("messages must not be empty", param="messages")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     choice = _tool_choice_name(body.tool_choice)
-    messages = neutral_messages(body.messages)
+    images = runtime.image_collector()
+    messages = neutral_messages(body.messages, lambda url: runtime.add_image(images, url=url))
     prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
                                       template_kwargs=body.chat_template_kwargs)
+    prompt = runtime.with_images(prompt, images)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens),
                                         body.max_completion_tokens or body.max_tokens)
     params = sampling_params(body, max_tokens, logprobs=body.logprobs,
@@ -179,7 +201,7 @@ async def chat_completions(request: Request) -> Any:
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
     if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages[-1]["content"])
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt)
     generation = Generation(runtime, "chat", request, handle, splitter, keep_tokens=body.logprobs)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id
@@ -219,7 +241,10 @@ async def _chat_stream(runtime: ServerRuntime, generation: Generation, completio
     yield chunk({"role": "assistant", "content": ""})
     tool_index = 0
     logged = 0
-    async for piece in generation.pieces():
+    async for piece in generation.pieces(KEEPALIVE_SECONDS):
+        if piece is None:
+            yield SSE_KEEPALIVE
+            continue
         logprobs = None
         if generation.keep_tokens and len(generation.token_events) > logged:
             logprobs = _logprobs_json(runtime, generation.token_events[logged:])
@@ -308,8 +333,8 @@ async def _completion_stream(generation: Generation, completion_id: str, model: 
 
     if echo:
         yield chunk(echo)
-    async for piece in generation.pieces():
-        yield chunk(piece.text)
+    async for piece in generation.pieces(KEEPALIVE_SECONDS):
+        yield SSE_KEEPALIVE if piece is None else chunk(piece.text)
     finish = generation.finish
     if finish is not None and finish.reason == "error":
         yield sse_data(error_body(ApiError(500, "server", f"generation failed: {finish.error}"),

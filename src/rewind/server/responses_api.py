@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,7 +23,13 @@ from rewind.server.chat_format import Message
 from rewind.server.errors import bad_request
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import ResponsesRequest
-from rewind.server.streaming import SSE_HEADERS, Generation, sse_event
+from rewind.server.streaming import (
+    KEEPALIVE_SECONDS,
+    SSE_HEADERS,
+    SSE_KEEPALIVE,
+    Generation,
+    sse_event,
+)
 from rewind.server.tool_parsing import OutputSplitter, Piece
 
 router = APIRouter()
@@ -35,7 +41,8 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts_text(content: Any, where: str, add_image: Callable[[Any], str] | None = None) -> str:
+    """`add_image(url)` decodes an input_image part and returns its placeholder text."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -43,14 +50,18 @@ def _parts_text(content: Any, where: str) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and add_image is not None:
+            texts.append(add_image(part.get("image_url")))
+            continue
         if kind not in _TEXT_PARTS:
             raise bad_request(f"{where}: content parts of type {kind!r} are not supported by this "
-                              "server (text only)", param="input")
+                              "server (text and input_image only)", param="input")
         texts.append(str(part.get("text", "")))
     return "".join(texts)
 
 
-def neutral_messages(body: ResponsesRequest) -> list[Message]:
+def neutral_messages(body: ResponsesRequest,
+                     add_image: Callable[[Any], str] | None = None) -> list[Message]:
     out: list[Message] = []
     if body.instructions:
         out.append({"role": "system", "content": body.instructions})
@@ -65,7 +76,8 @@ def neutral_messages(body: ResponsesRequest) -> list[Message]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(f"{where}: unknown role {role!r}", param="input")
-            message: Message = {"role": role, "content": _parts_text(item.get("content"), where)}
+            message: Message = {"role": role,
+                                "content": _parts_text(item.get("content"), where, add_image)}
             if role == "assistant" and pending_reasoning:
                 message["reasoning_content"], pending_reasoning = pending_reasoning, ""
             out.append(message)
@@ -217,7 +229,8 @@ async def responses(request: Request) -> Any:
         raise bad_request("previous_response_id is not supported: this server stores no "
                           "responses; send the whole conversation as input (the prompt cache "
                           "makes that cheap)", param="previous_response_id")
-    messages = neutral_messages(body)
+    images = runtime.image_collector()
+    messages = neutral_messages(body, lambda url: runtime.add_image(images, url=url, param="input"))
     if not messages or all(m["role"] == "system" for m in messages):
         raise bad_request("input must not be empty", param="input")
     tools = _tools(body)
@@ -226,6 +239,7 @@ async def responses(request: Request) -> Any:
     template_kwargs = {"enable_thinking": False} if effort == "none" else None
     prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
                                       template_kwargs=template_kwargs)
+    prompt = runtime.with_images(prompt, images)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_output_tokens)
     params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                             top_p=1.0 if body.top_p is None else body.top_p,
@@ -234,7 +248,7 @@ async def responses(request: Request) -> Any:
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
     if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages[-1]["content"])
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt)
     generation = Generation(runtime, "responses", request, handle, splitter)
     response = {
         "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
@@ -287,7 +301,10 @@ async def _stream(generation: Generation, response: dict[str, Any]) -> AsyncIter
     yield event("response.created", {"response": dict(response)})
     yield event("response.in_progress", {"response": dict(response)})
     output = _Output()
-    async for piece in generation.pieces():
+    async for piece in generation.pieces(KEEPALIVE_SECONDS):
+        if piece is None:
+            yield SSE_KEEPALIVE
+            continue
         for name, payload in output.add(piece):
             yield event(name, payload)
     for name, payload in output.close():

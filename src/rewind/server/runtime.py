@@ -3,6 +3,8 @@ the metrics; plus the checks that turn engine and context limits into API errors
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -15,10 +17,27 @@ from rewind.engine import (
     RequestHandle,
     SamplingParams,
 )
-from rewind.server.chat_format import ChatFormatter
+from rewind.server.chat_format import ChatFormatter, ChatPrompt
 from rewind.server.errors import ApiError, bad_request
 from rewind.server.metrics import ServerMetrics
 from rewind.server.tool_parsing import OutputFormat
+from rewind.vision.images import ImageCollector, ImageError, ImageLimits
+
+log = logging.getLogger(__name__)
+
+
+def _vision_adapter(loaded: Any) -> tuple[Any, str | None]:
+    """(adapter, None) for a vision model folder; (None, why) when images cannot be served."""
+    config = getattr(loaded, "config", None) or {}
+    if not isinstance(config.get("vision_config"), dict):
+        return None, f"the model {getattr(loaded, 'name', '')!r} does not accept images"
+    try:
+        from rewind.vision.vlm import adapter_for
+
+        return adapter_for(loaded), None
+    except Exception as exc:  # mlx-vlm missing, an unsupported family: text still works
+        log.warning("images are disabled for this model: %s", exc)
+        return None, f"this server cannot take images for this model: {exc}"
 
 
 def context_length(model_config: dict[str, Any]) -> int | None:
@@ -43,6 +62,8 @@ class ServerRuntime:
         self.context_length = context_length(loaded.config)
         self.model_id = str(loaded.name)
         self.created = int(time.time())
+        self.vision, self.vision_unavailable = _vision_adapter(loaded)
+        self.image_limits = ImageLimits(allow_urls=config.allow_image_urls)
         self.metrics = ServerMetrics(engine.stats,
                                      prompt_cache.stats if prompt_cache is not None else None)
         if hasattr(engine, "add_sample_listener"):
@@ -86,10 +107,51 @@ class ServerRuntime:
         except ValueError as exc:
             raise bad_request("logit_bias keys must be token ids", param="logit_bias") from exc
 
+    # ---- images (rewind.vision) ---------------------------------------------------------------
+
+    def image_collector(self) -> ImageCollector:
+        return ImageCollector(self.image_limits)
+
+    def add_image(self, collector: ImageCollector, *, url: Any = None,
+                  base64_data: Any = None, param: str = "messages") -> str:
+        """Decode one request image into `collector`; returns the placeholder text that marks
+        its place in the prompt. Any problem is a 400 naming it."""
+        if self.vision is None:
+            raise bad_request(self.vision_unavailable or "this model does not accept images",
+                              param=param, code="images_not_supported")
+        try:
+            if base64_data is not None:
+                if not isinstance(base64_data, str):
+                    raise ImageError("the image's base64 data must be a string")
+                collector.add_base64(base64_data)
+            else:
+                collector.add_url(url)
+        except ImageError as exc:
+            raise bad_request(f"invalid image: {exc}", param=param, code="invalid_image") from exc
+        return self.tokenizer.convert_ids_to_tokens(self.vision.boi_token_id)
+
+    def with_images(self, prompt: ChatPrompt, collector: ImageCollector | None) -> ChatPrompt:
+        """The prompt with each image placeholder expanded into its image tokens (unchanged for
+        a request without images: text requests keep the text path)."""
+        if collector is None or not collector.images:
+            return prompt
+        from rewind.vision.prompting import prepare_image_prompt
+
+        try:
+            image_prompt = prepare_image_prompt(self.vision, self.loaded.model, prompt.tokens,
+                                                collector.images, prompt.checkpoints)
+        except ImageError as exc:
+            raise bad_request(f"invalid image: {exc}", param="messages",
+                              code="invalid_image") from exc
+        return dataclasses.replace(prompt, tokens=image_prompt.tokens,
+                                   checkpoints=image_prompt.checkpoints, image_prompt=image_prompt)
+
     def submit(self, tokens: list[int], params: SamplingParams,
-               checkpoints: list[int] | None = None) -> RequestHandle:
+               checkpoints: list[int] | None = None, image_prompt: Any = None) -> RequestHandle:
         request = GenerationRequest(prompt_tokens=tokens, params=params,
                                     checkpoints=sorted(set(checkpoints or [])))
+        if image_prompt is not None:
+            request.extras, request.embed = image_prompt.extras, image_prompt.embed
         try:
             return self.engine.submit(request)
         except QueueFullError as exc:

@@ -153,6 +153,8 @@ class AnthropicBlock(_Lenient):
     # thinking
     thinking: str | None = None
     signature: str | None = None
+    # image: {"type": "base64", "media_type": ..., "data": ...} or {"type": "url", "url": ...}
+    source: dict[str, Any] | None = None
 
 
 class AnthropicMessage(_Lenient):
