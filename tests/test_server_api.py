@@ -99,6 +99,11 @@ def wait_idle(engine: Engine, seconds: float = 30.0) -> dict[str, Any]:
     raise AssertionError(f"the engine is still busy: {engine.stats()}")
 
 
+def never_stop(engine: Engine) -> dict[str, float]:
+    """A logit_bias that bans every end-of-sequence token: the request runs until cancelled."""
+    return {str(token): -100.0 for token in engine.eos_token_ids}
+
+
 def sse_lines(lines: Iterator[str], count: int) -> list[str]:
     """The next `count` data lines of a streaming response's line iterator. Keep the iterator
     referenced while the stream should stay open: httpx closes the response when it is dropped."""
@@ -295,7 +300,7 @@ def test_a_client_that_disconnects_frees_its_slot(live):
     wait_idle(live.engine)
     body = {"model": live.model, "messages": [{"role": "user", "content": "Tell a long story."}],
             "max_tokens": 3000, "stream": True, "temperature": 0,
-            "logit_bias": {str(live.loaded.tokenizer.eos_token_id): -100}}  # runs until cancelled
+            "logit_bias": never_stop(live.engine)}
     with httpx.Client(timeout=30) as raw:
         for _ in range(4):  # fill every slot, then hang up mid-stream
             with raw.stream("POST", f"{live.url}/v1/chat/completions", json=body) as response:
@@ -445,9 +450,8 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_model_path):
     engine = Engine(loaded, EngineConfig(parallel=1, max_queue=1)).start()
     tight = start_server(create_app(loaded, engine, ServerConfig(model=str(loaded.name))),
                          engine, loaded)
-    eos = loaded.tokenizer.eos_token_id
     body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 3000,
-            "stream": True, "logit_bias": {str(eos): -100}}  # runs until cancelled
+            "stream": True, "logit_bias": never_stop(engine)}
     try:
         with httpx.Client(timeout=30) as raw:
             with raw.stream("POST", f"{tight.url}/v1/chat/completions", json=body) as running:
@@ -456,10 +460,46 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_model_path):
                 with raw.stream("POST", f"{tight.url}/v1/chat/completions",
                                 json=body) as waiting:
                     assert waiting.status_code == 200  # queued
+                    stats = engine.stats()
                     refused = post(tight, "/v1/chat/completions", body)
+                    assert refused.status_code == 429, (stats, engine.stats(), refused.text[-300:])
                     assert openai_error(refused, 429)["code"] == "queue_full"
                     assert int(refused.headers["retry-after"]) >= 1
         wait_idle(engine)
     finally:
         tight.stop()
         engine.shutdown()
+
+
+def test_keep_alives_while_waiting_are_skipped_by_clients(live, monkeypatch):
+    from rewind.server import anthropic_api, openai_api
+
+    monkeypatch.setattr(openai_api, "KEEPALIVE_SECONDS", 0.001)  # every wait is "long"
+    monkeypatch.setattr(anthropic_api, "KEEPALIVE_SECONDS", 0.001)
+    body = {"model": live.model, "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 5, "temperature": 0, "stream": True, **NO_THINKING}
+    raw = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60).text
+    assert ": keep-alive" in raw and raw.rstrip().endswith("data: [DONE]")
+    typed = {key: value for key, value in body.items() if key != "chat_template_kwargs"}
+    chunks = list(live.openai().chat.completions.create(**typed, extra_body=NO_THINKING))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = live.openai().chat.completions.create(**{**typed, "stream": False},
+                                                  extra_body=NO_THINKING)
+    assert streamed == (plain.choices[0].message.content or "")
+    with live.anthropic().messages.stream(
+            model=live.model, max_tokens=5, messages=body["messages"],
+            thinking={"type": "disabled"}, extra_body={"temperature": 0}) as stream:
+        kinds = [event.type for event in stream]
+    assert kinds[-1] == "message_stop"
+
+
+def test_logprobs(live):
+    reply = live.openai().chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_THINKING)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # Greedy picks the most likely token, so it tops its own list.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)

@@ -25,17 +25,23 @@ async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None
             return
 
 
+KEEPALIVE_SECONDS = 10.0  # a long prefill sends no token for minutes; idle readers time out
+
+
 class Generation:
+    """Started at submit time: a disconnect watcher frees the engine slot whenever the client
+    goes away, even before the response body is first iterated."""
+
     def __init__(self, runtime: Any, api: str, request: Request, handle: RequestHandle,
                  splitter: OutputSplitter, keep_tokens: bool = False) -> None:
         self.runtime = runtime
         self.api = api
-        self.request = request
         self.handle = handle
         self.splitter = splitter
         self.keep_tokens = keep_tokens
         self.token_events: list[TokenEvent] = []
         self.finish: FinishEvent | None = None
+        self._watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
 
     @property
     def usage(self) -> Usage:
@@ -45,10 +51,24 @@ class Generation:
     def saw_tool_call(self) -> bool:
         return self.splitter.saw_tool_call
 
-    async def pieces(self) -> AsyncIterator[Piece]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(self.request, self.handle))
-        try:
+    async def pieces(self, keepalive_seconds: float | None = None
+                     ) -> AsyncIterator[Piece | None]:
+        """Parsed pieces; None every `keepalive_seconds` without one (the caller sends a
+        keep-alive). Ends after the engine's FinishEvent, which is then in `self.finish`."""
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:  # a task of its own, so a keep-alive timeout cancels nothing
             async for event in self.handle:
+                events.put_nowait(event)
+
+        pump = asyncio.create_task(pump())
+        try:
+            while self.finish is None:
+                try:
+                    event = await asyncio.wait_for(events.get(), keepalive_seconds)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
                 if isinstance(event, TokenEvent):
                     if self.keep_tokens:
                         self.token_events.append(event)
@@ -59,17 +79,21 @@ class Generation:
                     for piece in self.splitter.finish():
                         yield piece
         finally:
-            watcher.cancel()
+            pump.cancel()
+            self._watcher.cancel()
             self.handle.cancel()  # a no-op once finished; frees the slot when we stop early
             outcome = self.finish.reason if self.finish is not None else "cancelled"
             self.runtime.metrics.on_finish(self.api, outcome, self.usage)
 
     async def collect(self) -> list[Piece]:
         """The whole output; an engine error becomes a 500."""
-        pieces = [piece async for piece in self.pieces()]
+        pieces = [piece async for piece in self.pieces() if piece is not None]
         if self.finish is not None and self.finish.reason == "error":
             raise ApiError(500, "server", f"generation failed: {self.finish.error}")
         return pieces
+
+
+SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every client's parser skips it
 
 
 def sse_data(payload: dict[str, Any] | str) -> str:
