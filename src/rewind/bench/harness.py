@@ -23,6 +23,15 @@ import psutil
 LOOPBACK = "127.0.0.1"
 
 
+# Servers started and not yet stopped, so a signal handler can stop them all at once.
+_LIVE: set["ServerProcess"] = set()
+
+
+def stop_all_servers() -> None:
+    for server in list(_LIVE):
+        server.stop(grace=5.0)
+
+
 class ServerStartError(RuntimeError):
     """The server exited or never became ready; the message carries the tail of its log."""
 
@@ -94,7 +103,7 @@ class RssSampler:
             self._thread.join(timeout=5)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: kept in _LIVE
 class ServerProcess:
     """One server child process. `argv` must already contain the port; `ready_paths` are polled
     in order until one answers 200 (servers differ: /health, /v1/models)."""
@@ -129,6 +138,7 @@ class ServerProcess:
         self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()  # the child holds its own descriptor
+        _LIVE.add(self)
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> float:
@@ -169,6 +179,7 @@ class ServerProcess:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM to the process group, then SIGKILL after `grace` seconds."""
+        _LIVE.discard(self)
         if self.process is None or self.process.poll() is not None:
             return
         try:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rewind.bench.client import make_client, timed_chat
-from rewind.bench.harness import RssSampler, ServerProcess, ServerStartError, free_port
+from rewind.bench.harness import (RssSampler, ServerProcess, ServerStartError, free_port,
+                                  stop_all_servers)
 from rewind.bench.servers import (ModelFiles, ServerOptions, ServerUnavailable, build_server,
                                   describe_server, ensure_llama_cpp, resolve_model_files)
 from rewind.bench.textgen import AgenticText
@@ -205,6 +206,9 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Stop the servers first: client threads blocked on a response then fail at once, and the
+    # main thread can unwind instead of waiting for a long prefill to finish.
+    stop_all_servers()
     raise SystemExit(128 + signum)
 
 
