@@ -4,7 +4,7 @@ For each form: convert it (once; cached in the models folder), then measure perp
 tests/data/perplexity_paragraph.txt and prefill / decode tokens/s, both computing in the stored
 dtype and in float32 (what the loader uses on CPU, where only float32 reaches OpenBLAS). Also the
 proof of the Gemma norm fix: perplexity with the norms left as llama.cpp stores them (w + 1).
-Writes benchmarks/results/convert.md and convert.json.
+Writes benchmarks/results/model-forms.md and .json (summarized in convert.md).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                f"{os.environ.get('LD_PRELOAD', 'none')}")
     n_tokens = len(tokenizer.encode(text))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "convert.json").write_text(json.dumps({"command": command, "machine": machine,
+    (args.out / "model-forms.json").write_text(json.dumps({"command": command, "machine": machine,
                                                        "paragraph_tokens": n_tokens, "rows": rows}, indent=2))
     lines = [
         "# Default model forms: conversion, size, perplexity, speed", "",
@@ -132,6 +132,6 @@ def run(args: argparse.Namespace) -> int:
         if "ppl_f32_without_norm_fix" in row:
             lines += ["", f"Gemma norm fix: bf16 perplexity {row['ppl_f32']} with the fix, "
                           f"{row['ppl_f32_without_norm_fix']} with the norms left as llama.cpp stores them (w + 1)."]
-    (args.out / "convert.md").write_text("\n".join(lines) + "\n")
+    (args.out / "model-forms.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

