@@ -299,6 +299,27 @@ def test_corrupted_record_on_disk(tiny: Tiny, tmp_path: Path, kind: str) -> None
     cache.close()
 
 
+def test_record_that_does_not_fit_the_model_is_recomputed(tiny_model_path) -> None:
+    """A record that passes its identity check but lacks a layer's rows (a stale format, a
+    bug): the restore falls back to a fresh cache instead of failing the request."""
+    from rewind.cache.serialize import Record
+
+    model, tokenizer = load(str(tiny_model_path("llama")))
+    prompt = render(tokenizer, agent_session()[0])
+    source = PromptCache(model, "tiny", ram_only())
+    answer(model, prompt, source)
+    key = source.point_keys(prompt.tokens[:256])["kv"]
+    good = source.ram.peek(key)
+    forged = Record(arrays={"tokens": good.arrays["tokens"]}, meta=dict(good.meta))
+    cache = PromptCache(model, "tiny", ram_only())
+    cache.ram.put(key, None, forged)
+    got = answer(model, prompt, cache)
+    Reference(model).check(prompt, got)
+    assert got.restored == 0 and cache.stats()["restore_errors"] == 1
+    source.close()
+    cache.close()
+
+
 def test_tiny_disk_budget_stores_nothing_and_recomputes(tiny: Tiny, tmp_path: Path) -> None:
     cache = PromptCache(tiny.model, "tiny", with_disk(tmp_path, ram_bytes=0, disk_bytes=4096))
     for prompt in tiny.prompts[:2]:
@@ -366,17 +387,19 @@ def test_real_model(tmp_path: Path) -> None:
         loaded = load_model("default")
     except Exception as error:  # noqa: BLE001 - the converter may be unavailable here
         pytest.skip(f"default model unavailable: {error}")
-    prompts = [render(loaded.tokenizer, m) for m in agent_session(seed=5)][:3]
+    sessions = agent_session(seed=5)
+    first, rewound = render(loaded.tokenizer, sessions[1]), render(loaded.tokenizer, sessions[2])
     reference = Reference(loaded.model, atol=REAL_LOGIT_ATOL)
     cache = PromptCache(loaded.model, loaded.fingerprint, with_disk(tmp_path))
-    for index, prompt in enumerate(prompts):
-        got = answer(loaded.model, prompt, cache)
-        reference.check(prompt, got)
-        assert (got.restored > 0) == (index > 0)
-    cache.ram.set_budget(0)
+    assert answer(loaded.model, first, cache).restored == 0
+    got = answer(loaded.model, rewound, cache)  # reasoning dropped: restored from RAM
+    reference.check(rewound, got)
+    shared = common_prefix(rewound.tokens, first.tokens)
+    assert shared - 256 < got.restored <= shared and got.ram_tokens == got.restored
+    cache.ram.set_budget(0)  # everything to the scratch file
     cache.flush()
     cache.ram.set_budget(1 << 30)
-    got = answer(loaded.model, prompts[-1], cache)
-    reference.check(prompts[-1], got)
-    assert got.disk_tokens == got.restored == len(prompts[-1].tokens) - 1
+    got = answer(loaded.model, rewound, cache)  # an exact repeat, from disk
+    reference.check(rewound, got)
+    assert got.disk_tokens == got.restored == len(rewound.tokens) - 1
     cache.close()

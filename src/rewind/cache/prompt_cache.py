@@ -108,6 +108,7 @@ class PromptCache:
             "points_past_ram": 0,  # points whose chain is larger than the RAM tier: disk only
             "identity_mismatches": 0,
             "missing_records": 0,
+            "restore_errors": 0,
         }
         self._restore_seconds = 0.0
 
@@ -123,7 +124,15 @@ class PromptCache:
         started = time.perf_counter()
         with self._lock:
             template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
-            restored = self._restore_into(template, list(tokens), extras)
+            try:
+                restored = self._restore_into(template, list(tokens), extras)
+            except (KeyError, ValueError) as error:
+                # Records that pass their checks but do not fit this model's caches (a bug or
+                # a stale format): recompute rather than fail the request.
+                log.warning("prompt-cache restore failed, recomputing: %s", error)
+                self._counters["restore_errors"] += 1
+                fresh = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+                restored = Restored(cache=fresh, tokens=0, ram_tokens=0, disk_tokens=0, seconds=0.0)
             seconds = time.perf_counter() - started
             restored.seconds = seconds
             counters = self._counters
