@@ -320,6 +320,21 @@ def test_record_that_does_not_fit_the_model_is_recomputed(tiny_model_path) -> No
     cache.close()
 
 
+def test_batched_cache_checkpoint_is_skipped_not_fatal(tiny_model_path) -> None:
+    """A batched cache (the engine's decode batch) has no record kind: that checkpoint is
+    skipped and counted, and the prompt cache stays on for the next ones."""
+    model, tokenizer = load(str(tiny_model_path("llama")))
+    prompt = render(tokenizer, agent_session()[0])
+    cache = PromptCache(model, "tiny", ram_only())
+    live = prefill_with_cache(model, prompt.tokens[:300], None).cache
+    batched = [layer.merge([layer]) for layer in live]
+    cache.checkpoint(prompt.tokens[:300], batched)
+    assert cache.stats()["unsupported_checkpoints"] == 1 and cache.stats()["enabled"]
+    cache.checkpoint(prompt.tokens[:300], live)
+    assert prefill_with_cache(model, prompt.tokens[:400], cache).restored.tokens == 300
+    cache.close()
+
+
 def test_tiny_disk_budget_stores_nothing_and_recomputes(tiny: Tiny, tmp_path: Path) -> None:
     cache = PromptCache(tiny.model, "tiny", with_disk(tmp_path, ram_bytes=0, disk_bytes=4096))
     for prompt in tiny.prompts[:2]:

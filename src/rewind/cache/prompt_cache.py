@@ -109,6 +109,7 @@ class PromptCache:
             "identity_mismatches": 0,
             "missing_records": 0,
             "restore_errors": 0,
+            "unsupported_checkpoints": 0,
         }
         self._restore_seconds = 0.0
 
@@ -156,8 +157,11 @@ class PromptCache:
             try:
                 root = self._root(cache, extras)
             except rec.UnsupportedCacheError as error:
-                self.disabled_reason = str(error)
-                log.warning("prompt cache off for this model: %s", error)
+                # Not fatal for the cache as a whole: the caller may have handed a batched
+                # cache by mistake. A model whose own caches are unsupported is turned off
+                # by restore(), which builds them from make_prompt_cache.
+                self._counters["unsupported_checkpoints"] += 1
+                log.warning("checkpoint skipped: %s", error)
                 return
             offset = rec.cache_offset(cache)
             if offset is not None and offset != len(tokens):
