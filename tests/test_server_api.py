@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -285,12 +284,20 @@ def test_second_turn_reports_cached_tokens(live):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 8 and cached < second.usage.prompt_tokens
 
-    anthropic_reply = live.anthropic().messages.create(
-        model=live.model, max_tokens=4, system=system, thinking={"type": "disabled"},
-        messages=[m for m in messages if m["role"] != "system"])
-    usage = anthropic_reply.usage
+    with live.anthropic().messages.stream(
+            model=live.model, max_tokens=4, system=system, thinking={"type": "disabled"},
+            messages=[m for m in messages if m["role"] != "system"]) as stream:
+        usage = stream.get_final_message().usage  # the counts arrive with message_delta
     assert usage.cache_read_input_tokens > 0
     assert usage.input_tokens + usage.cache_read_input_tokens == second.usage.prompt_tokens
+
+    metrics = httpx.get(f"{live.url}/metrics").text
+    restored = [line for line in metrics.splitlines()
+                if line.startswith('rewind_cached_prompt_tokens_total{tier="ram"}')]
+    assert float(restored[0].split()[-1]) >= cached
+    ttft_count = [line for line in metrics.splitlines()
+                  if line.startswith("rewind_time_to_first_token_seconds_count")]
+    assert float(ttft_count[0].split()[-1]) >= 3
 
 
 # ---------------------------------------------------------------- concurrency
