@@ -106,14 +106,15 @@ def _train_tokenizer(out_dir: Path) -> dict[str, int]:
     return ids
 
 
-def _preprocessor_config() -> dict[str, Any]:
+def _preprocessor_config(image_size: int = IMAGE_SIZE,
+                         image_tokens: int = IMAGE_TOKENS) -> dict[str, Any]:
     # Gemma 3's SigLIP preprocessing: resize to the tower's square, scale to [0, 1], then
     # normalize with mean 0.5 and std 0.5 (to [-1, 1]).
     return {
         "image_processor_type": "Gemma3ImageProcessor",
         "processor_class": "Gemma3Processor",
         "do_resize": True,
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "size": {"height": image_size, "width": image_size},
         "resample": 2,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
@@ -122,16 +123,15 @@ def _preprocessor_config() -> dict[str, Any]:
         "image_std": [0.5, 0.5, 0.5],
         "do_convert_rgb": True,
         "do_pan_and_scan": False,
-        "image_seq_length": IMAGE_TOKENS,
+        "image_seq_length": image_tokens,
     }
 
 
 def build_vision_folder(config: dict[str, Any], out_dir: Path, seed: int = SEED,
-                        text_weights: dict[str, Any] | None = None) -> None:
-    """Write random weights for a Gemma 3 VLM `config` (both towers) into `out_dir`.
-
-    `text_weights` (language_model.* arrays) replaces the random language model: the benchmark
-    uses the real Gemma 3 270M language model under a random-weight tower."""
+                        gain: float = WEIGHT_GAIN, dtype: Any = None) -> None:
+    """Write random weights for a Gemma 3 VLM `config` (language model, tower, projector) into
+    `out_dir` as one safetensors file (`dtype`, default float32; the benchmark's large configs
+    use bfloat16). `gain` scales the language model's matrices (see tiny_models)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import gemma3 as lm_gemma3
@@ -142,14 +142,12 @@ def build_vision_folder(config: dict[str, Any], out_dir: Path, seed: int = SEED,
 
     mx.random.seed(seed)
     weights: dict[str, Any] = {}
-    if text_weights is None:
-        language = lm_gemma3.Model(lm_gemma3.ModelArgs.from_dict(
-            {"model_type": "gemma3", "text_config": dict(config["text_config"]),
-             "vocab_size": config["vocab_size"]}))
-        weights.update({name: value for name, value in _scaled(tree_flatten(language.parameters())).items()
-                        if not name.endswith("lm_head.weight")})  # tied: no separate head
-    else:
-        weights.update(text_weights)
+    language = lm_gemma3.Model(lm_gemma3.ModelArgs.from_dict(
+        {"model_type": "gemma3", "text_config": dict(config["text_config"]),
+         "vocab_size": config["vocab_size"]}))
+    weights.update({name: value for name, value in _scaled(tree_flatten(language.parameters()),
+                                                           gain).items()
+                    if not name.endswith("lm_head.weight")})  # tied: no separate head
     vlm_config = gemma3_vlm_config(config)
     tower = VisionModel(vlm_config.vision_config)
     projector = Gemma3MultiModalProjector(vlm_config)
@@ -160,25 +158,37 @@ def build_vision_folder(config: dict[str, Any], out_dir: Path, seed: int = SEED,
     weights.update({f"vision_tower.{k}": v for k, v in tree_flatten(tower.parameters())})
     weights.update({f"multi_modal_projector.{k}": v
                     for k, v in tree_flatten(projector.parameters())})
-    weights = {k: v.astype(mx.float32) for k, v in weights.items()}
+    weights = {k: v.astype(dtype or mx.float32) for k, v in weights.items()}
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
-def _scaled(items: list[tuple[str, Any]]) -> dict[str, Any]:
+def _scaled(items: list[tuple[str, Any]], gain: float) -> dict[str, Any]:
     # As tiny_models does: matrices scaled so greedy sequences vary.
-    return {name: value * WEIGHT_GAIN if value.ndim >= 2 else value for name, value in items}
+    if gain == 1.0:
+        return dict(items)
+    return {name: value * gain if value.ndim >= 2 else value for name, value in items}
 
 
-def build_tiny_vision_model(out_dir: Path, seed: int = SEED) -> Path:
-    """Write the tiny Gemma 3 vision model into `out_dir` and return `out_dir`."""
+def build_tiny_vision_model(out_dir: Path, seed: int = SEED,
+                            config_override: dict[str, Any] | None = None, gain: float = WEIGHT_GAIN,
+                            dtype: Any = None) -> Path:
+    """Write the tiny Gemma 3 vision model into `out_dir` and return `out_dir`.
+
+    `config_override` replaces top-level config keys (text_config, vision_config, vocab_size,
+    ...): the benchmark builds real-size configs around this small tokenizer."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     special_ids = _train_tokenizer(out_dir)
     config = tiny_vision_config(special_ids)
-    build_vision_folder(config, out_dir, seed)
+    for key, value in (config_override or {}).items():
+        config[key] = value
+    build_vision_folder(config, out_dir, seed, gain, dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2))
+    image_size = int(config["vision_config"]["image_size"])
+    image_tokens = int(config["text_config"]["mm_tokens_per_image"])
+    (out_dir / "preprocessor_config.json").write_text(
+        json.dumps(_preprocessor_config(image_size, image_tokens), indent=2))
     (out_dir / "processor_config.json").write_text(json.dumps(
-        {"processor_class": "Gemma3Processor", "image_seq_length": IMAGE_TOKENS}, indent=2))
+        {"processor_class": "Gemma3Processor", "image_seq_length": image_tokens}, indent=2))
     return out_dir
