@@ -154,6 +154,18 @@ def test_tools_become_a_system_prompt_and_tool_traffic_text(formatter):
     assert "<tool_response>\nrainy\n</tool_response>" in text
 
 
+def test_plain_text_conversations_alternate_roles():
+    from rewind.server.chat_format import _as_plain_text
+
+    messages = [{"role": "system", "content": "A"}, {"role": "system", "content": "B"},
+                {"role": "user", "content": "C"}, {"role": "system", "content": "D"},
+                {"role": "assistant", "content": "E"}, {"role": "tool", "content": "F"}]
+    assert _as_plain_text(messages) == [
+        {"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "C\n\nD"},
+        {"role": "assistant", "content": "E"},
+        {"role": "user", "content": "<tool_response>\nF\n</tool_response>"}]
+
+
 def test_a_trailing_assistant_message_is_continued(formatter):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
     prompt = formatter.render(messages)

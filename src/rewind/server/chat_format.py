@@ -53,11 +53,14 @@ def tool_system_prompt(tools: list[dict[str, Any]], tool_choice: str | None) -> 
 
 
 def _as_plain_text(messages: list[Message]) -> list[Message]:
-    """Tool calls and tool results as text, consecutive same-role messages merged (templates like
-    Gemma's insist on alternating user / assistant turns)."""
+    """Tool calls and tool results as text, later system messages as user text, consecutive
+    same-role messages merged (templates like Gemma's insist on one leading system prompt and
+    alternating user / assistant turns)."""
     out: list[Message] = []
     for message in messages:
         role, content = message["role"], message.get("content") or ""
+        if role == "system" and out and out[-1]["role"] != "system":
+            role = "user"  # such templates take one system prompt, first (codex sends more)
         if role == "tool":
             role = "user"
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -69,7 +72,7 @@ def _as_plain_text(messages: list[Message]) -> list[Message]:
                 for c in message["tool_calls"]
             ]
             content = "\n".join(([content] if content else []) + calls)
-        if out and out[-1]["role"] == role and role != "system":
+        if out and out[-1]["role"] == role:
             out[-1]["content"] = f"{out[-1]['content']}\n\n{content}"
         else:
             out.append({"role": role, "content": content})
