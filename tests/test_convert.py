@@ -413,3 +413,31 @@ def test_two_processes_converting_at_once_share_one_result(tiny_model_path, tmp_
     assert sorted(queue.get(timeout=5) for _ in children) == [str(out), str(out)]
     assert is_model_folder(out)
     assert sorted(p.name for p in out.parent.iterdir()) == [".model.lock", "model"]
+
+
+# -- the commands --------------------------------------------------------------------------------
+
+def run_cli(argv: list[str]) -> int:
+    from rewind.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_convert_and_models_commands(tiny_model_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("REWIND_HOME", str(tmp_path / "home"))
+    write_llamacpp_gguf(tiny_model_path("llama"), tmp_path / "tiny.gguf", "llama")
+    assert run_cli(["convert", str(tmp_path / "tiny.gguf"), "--q-bits", "8"]) == 0
+    out = tmp_path / "home" / "models" / "tiny-q8"
+    assert str(out) in capsys.readouterr().out and is_model_folder(out)
+    assert run_cli(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "tiny-q8" in listing and "default" in listing
+    # a .gguf path given as a model is converted once, then found by its name
+    assert resolve_model(str(tmp_path / "tiny.gguf")) == tmp_path / "home" / "models" / "tiny-bf16"
+    assert resolve_model("tiny-bf16") == tmp_path / "home" / "models" / "tiny-bf16"
+
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 20)
+    assert run_cli(["convert", str(tmp_path / "junk.gguf"), "--out", str(tmp_path / "junk")]) == 1
+    assert "junk.gguf" in capsys.readouterr().err
+    assert not (tmp_path / "junk").exists()
