@@ -126,3 +126,16 @@ def test_feature_lru_replacing_a_key_keeps_the_byte_count():
     lru.put(b"a", Sized(30))
     lru.put(b"a", Sized(50))
     assert lru.stats()["bytes"] == 50 and len(lru) == 1
+
+
+def test_known_image_is_hashed_not_decoded_until_its_pixels_are_needed():
+    data = encoded(seed=7)
+    sha = hashlib.sha256(data).digest()
+    lazy = image_from_bytes(data, known=lambda digest: digest == sha)
+    assert lazy.pixels is None and lazy.sha256 == sha
+    assert lazy.rgb().size == (40, 30)  # decoded on demand
+    eager = image_from_bytes(encoded(seed=8), known=lambda digest: digest == sha)
+    assert eager.pixels is not None
+    # Limits still hold for known bytes.
+    with pytest.raises(ImageError, match="bytes; the limit"):
+        image_from_bytes(data, ImageLimits(max_bytes=10), known=lambda digest: True)

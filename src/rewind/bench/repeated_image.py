@@ -132,16 +132,21 @@ def one_request(engine: Any, adapter: Any, loaded: Any, tokens: list[int],
 
     tower_runs = adapter.tower_runs
     start = time.perf_counter()
-    images = [image_from_bytes(data) for data in payloads]
+    images = [image_from_bytes(data, known=adapter.known_image) for data in payloads]
+    decoded = time.perf_counter()
     prepared = prepare_image_prompt(adapter, loaded.model, tokens, images, [len(tokens)])
     request = GenerationRequest(prepared.tokens, SamplingParams(temperature=0.0, max_tokens=1),
                                 prepared.checkpoints, prepared.extras, embed=prepared.embed)
+    submitted = time.perf_counter()
     result = engine.generate(request, timeout=600)
     seconds = time.perf_counter() - start
     if result.finish.reason == "error":
         raise RuntimeError(f"request failed: {result.finish.error}")
     usage = result.finish.usage
-    return {"seconds": round(seconds, 4), "prompt_tokens": usage.prompt_tokens,
+    return {"seconds": round(seconds, 4), "decode_s": round(decoded - start, 4),
+            "preprocess_s": round(submitted - decoded, 4),
+            "engine_s": round(seconds - (submitted - start), 4),
+            "prompt_tokens": usage.prompt_tokens,
             "image_tokens": prepared.prompt.image_tokens, "cached_tokens": usage.cached_tokens,
             "tower_runs": adapter.tower_runs - tower_runs,
             "restore_seconds": round(usage.restore_seconds, 4)}
@@ -176,7 +181,10 @@ def run_mode(mode: str, loaded: Any, adapter: Any, tokens: list[int], args: argp
                 print(f"{mode:8s} pair {pair}: first {first['seconds']:.3f} s, second "
                       f"{second['seconds']:.3f} s ({pairs[-1]['speedup']:.2f}x), cached "
                       f"{second['cached_tokens']} of {second['prompt_tokens']} tokens, tower runs "
-                      f"{first['tower_runs']} then {second['tower_runs']}", flush=True)
+                      f"{first['tower_runs']} then {second['tower_runs']}; 2nd: decode "
+                      f"{second['decode_s']:.3f} s, preprocess {second['preprocess_s']:.3f} s, "
+                      f"engine {second['engine_s']:.3f} s (restore "
+                      f"{second['restore_seconds']:.3f} s)", flush=True)
     finally:
         if prompt_cache is not None:
             prompt_cache.close()
@@ -216,6 +224,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"{mode['speedup_median']:.2f}x faster | {last['second']['cached_tokens']} | "
             f"{last['first']['tower_runs']} / {last['second']['tower_runs']} |")
     lines += [
+        "",
+        "Second request of the last pair, split: "
+        + "; ".join(f"{m['mode']}: decode {m['pairs'][-1]['second']['decode_s']:.3f} s, "
+                    f"preprocess {m['pairs'][-1]['second']['preprocess_s']:.3f} s, engine "
+                    f"{m['pairs'][-1]['second']['engine_s']:.3f} s (restore "
+                    f"{m['pairs'][-1]['second']['restore_seconds']:.3f} s)"
+                    for m in result["modes"]) + ".",
         "",
         "Medians over the pairs (each pair a fresh picture). `rewind`: prompt cache (RAM tier "
         "first, scratch file behind it) and the vision-feature LRU; `no-cache`: neither, so the "

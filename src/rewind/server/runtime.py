@@ -110,7 +110,9 @@ class ServerRuntime:
     # ---- images (rewind.vision) ---------------------------------------------------------------
 
     def image_collector(self) -> ImageCollector:
-        return ImageCollector(self.image_limits)
+        # Bytes of an image whose tower output is kept are hashed, not decoded again.
+        known = self.vision.known_image if self.vision is not None else None
+        return ImageCollector(self.image_limits, known)
 
     def add_image(self, collector: ImageCollector, *, url: Any = None,
                   base64_data: Any = None, param: str = "messages") -> str:

@@ -18,6 +18,7 @@ import hashlib
 import io
 import re
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,27 +44,48 @@ class ImageLimits:
     allow_urls: bool = False
 
 
+# Is an image with this SHA-256 already known good (its tower output kept)? Then decoding it
+# again can wait until its pixels are needed, which they are not while its features are kept.
+KnownImage = Callable[[bytes], bool]
+
+
 @dataclass(frozen=True)
 class DecodedImage:
-    """One request image: RGB pixels (a PIL image) and the SHA-256 of its encoded bytes."""
+    """One request image: RGB pixels (a PIL image) and the SHA-256 of its encoded bytes.
 
-    pixels: Any  # PIL.Image.Image in RGB mode
+    `pixels` is None for an image whose bytes were already decoded and used before (see
+    KnownImage); `rgb()` decodes it from `data` if its pixels are needed after all."""
+
+    pixels: Any  # PIL.Image.Image in RGB mode, or None (not decoded yet)
     sha256: bytes
     nbytes: int  # encoded size
+    data: bytes = b""  # the encoded bytes, kept only while pixels is None
 
     @property
     def size(self) -> tuple[int, int]:
-        return self.pixels.size
+        return self.rgb().size
+
+    def rgb(self) -> Any:
+        return self.pixels if self.pixels is not None else _decode(self.data, ImageLimits())
 
 
-def image_from_bytes(data: bytes, limits: ImageLimits = ImageLimits()) -> DecodedImage:
-    """Decode encoded image bytes (PNG, JPEG, WebP, GIF, ...) into RGB pixels, within limits."""
-    from PIL import Image
-
+def image_from_bytes(data: bytes, limits: ImageLimits = ImageLimits(),
+                     known: KnownImage | None = None) -> DecodedImage:
+    """Decode encoded image bytes (PNG, JPEG, WebP, GIF, ...) into RGB pixels, within limits.
+    With `known`, the bytes of an image it knows are kept undecoded."""
     if not data:
         raise ImageError("the image is empty")
     if len(data) > limits.max_bytes:
         raise ImageError(f"the image is {len(data)} bytes; the limit is {limits.max_bytes} bytes")
+    sha = hashlib.sha256(data).digest()
+    if known is not None and known(sha):
+        return DecodedImage(pixels=None, sha256=sha, nbytes=len(data), data=data)
+    return DecodedImage(pixels=_decode(data, limits), sha256=sha, nbytes=len(data))
+
+
+def _decode(data: bytes, limits: ImageLimits) -> Any:
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size
@@ -76,10 +98,11 @@ def image_from_bytes(data: bytes, limits: ImageLimits = ImageLimits()) -> Decode
         raise
     except (Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
         raise ImageError(f"the image could not be decoded: {exc}") from exc
-    return DecodedImage(pixels=pixels, sha256=hashlib.sha256(data).digest(), nbytes=len(data))
+    return pixels
 
 
-def image_from_base64(text: str, limits: ImageLimits = ImageLimits()) -> DecodedImage:
+def image_from_base64(text: str, limits: ImageLimits = ImageLimits(),
+                      known: KnownImage | None = None) -> DecodedImage:
     # Base64 is 4/3 of the bytes: refuse an oversized payload before decoding it.
     if len(text) > limits.max_bytes * 4 // 3 + 4:
         raise ImageError(f"the image is larger than the limit of {limits.max_bytes} bytes")
@@ -87,10 +110,11 @@ def image_from_base64(text: str, limits: ImageLimits = ImageLimits()) -> Decoded
         data = base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ImageError(f"the image data is not valid base64: {exc}") from exc
-    return image_from_bytes(data, limits)
+    return image_from_bytes(data, limits, known)
 
 
-def image_from_url(url: str, limits: ImageLimits = ImageLimits()) -> DecodedImage:
+def image_from_url(url: str, limits: ImageLimits = ImageLimits(),
+                   known: KnownImage | None = None) -> DecodedImage:
     """A `data:...;base64,` URL, or an http(s) URL when `limits.allow_urls` is set."""
     if not isinstance(url, str) or not url:
         raise ImageError("image_url must be a non-empty string")
@@ -98,12 +122,12 @@ def image_from_url(url: str, limits: ImageLimits = ImageLimits()) -> DecodedImag
         match = _DATA_URL.match(url)
         if match is None:
             raise ImageError("only base64 data URLs are accepted (data:image/png;base64,...)")
-        return image_from_base64(match.group("data"), limits)
+        return image_from_base64(match.group("data"), limits, known)
     if url.startswith(("http://", "https://")):
         if not limits.allow_urls:
             raise ImageError("image URLs are not fetched by this server; send the image inline "
                              "as a base64 data URL (or start the server with --allow-image-urls)")
-        return image_from_bytes(_fetch(url, limits), limits)
+        return image_from_bytes(_fetch(url, limits), limits, known)
     raise ImageError("image_url must be a data: URL with base64 data"
                      + (" or an http(s) URL" if limits.allow_urls else ""))
 
@@ -122,8 +146,9 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
 class ImageCollector:
     """Gathers a request's images in prompt order and enforces the per-request count."""
 
-    def __init__(self, limits: ImageLimits = ImageLimits()) -> None:
+    def __init__(self, limits: ImageLimits = ImageLimits(), known: KnownImage | None = None) -> None:
         self.limits = limits
+        self.known = known
         self.images: list[DecodedImage] = []
 
     def add(self, image: DecodedImage) -> None:
@@ -133,13 +158,13 @@ class ImageCollector:
 
     def add_url(self, url: str) -> DecodedImage:
         self._check_room()
-        image = image_from_url(url, self.limits)
+        image = image_from_url(url, self.limits, self.known)
         self.add(image)
         return image
 
     def add_base64(self, data: str) -> DecodedImage:
         self._check_room()
-        image = image_from_base64(data, self.limits)
+        image = image_from_base64(data, self.limits, self.known)
         self.add(image)
         return image
 

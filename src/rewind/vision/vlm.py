@@ -209,10 +209,14 @@ class VisionAdapter:
             index += 1
         return VisionPrompt(out, spans, shifts)
 
+    def known_image(self, sha256: bytes) -> bool:
+        """True while this image's tower output is kept (its bytes need no decoding)."""
+        return sha256 in self.feature_cache
+
     def preprocess(self, image: DecodedImage) -> np.ndarray:
         """RGB pixels -> the tower's input [H, W, 3] float32 (resized, rescaled, normalized)."""
         height, width = self.preprocessing.size
-        resized = image.pixels.resize((width, height), resample=self.preprocessing.resample)
+        resized = image.rgb().resize((width, height), resample=self.preprocessing.resample)
         pixels = np.asarray(resized, dtype=np.float32) * self.preprocessing.rescale
         mean = np.asarray(self.preprocessing.mean, dtype=np.float32)
         std = np.asarray(self.preprocessing.std, dtype=np.float32)
