@@ -510,3 +510,8 @@ def test_logprobs(live):
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         # Greedy picks the most likely token, so it tops its own list.
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+    legacy = live.openai().completions.create(model=live.model, prompt="Once upon", max_tokens=3,
+                                              temperature=0, logprobs=2).choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 3
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in legacy.top_logprobs)

@@ -303,32 +303,54 @@ async def completions(request: Request) -> Any:
                              top_logprobs=body.logprobs or 0, runtime=runtime)
     plain = OutputSplitter(OutputFormat(think_start=None, think_end=None), parse_tools=False)
     handle = runtime.submit(tokens, params, [len(tokens)])
-    generation = Generation(runtime, "completions", request, handle, plain)
+    generation = Generation(runtime, "completions", request, handle, plain,
+                            keep_tokens=body.logprobs is not None)
     completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id
     echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _completion_stream(generation, completion_id, model, include_usage, echo)
+        stream = _completion_stream(runtime, generation, completion_id, model, include_usage,
+                                    echo)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     pieces = await generation.collect()
     text = echo + "".join(piece.text for piece in pieces)
     return JSONResponse({
         "id": completion_id, "object": "text_completion", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None,
+        "choices": [{"index": 0, "text": text,
+                     "logprobs": _legacy_logprobs(runtime, generation.token_events)
+                     if body.logprobs is not None else None,
                      "finish_reason": _finish_reason(generation)}],
         "usage": usage_json(generation.usage),
     })
 
 
-async def _completion_stream(generation: Generation, completion_id: str, model: str,
-                             include_usage: bool, echo: str) -> AsyncIterator[str]:
+def _legacy_logprobs(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    def text(token: int) -> str:
+        return runtime.tokenizer.decode([token])
+
+    return {"tokens": [text(e.token) for e in events],
+            "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{text(t): lp for t, lp in e.top_logprobs or []} for e in events],
+            "text_offset": []}
+
+
+async def _completion_stream(runtime: ServerRuntime, generation: Generation, completion_id: str,
+                             model: str, include_usage: bool, echo: str) -> AsyncIterator[str]:
     created = int(time.time())
+    logged = 0
 
     def chunk(text: str, finish_reason: str | None = None) -> str:
+        nonlocal logged
+        logprobs = None
+        if generation.keep_tokens and len(generation.token_events) > logged:
+            logprobs = _legacy_logprobs(runtime, generation.token_events[logged:])
+            logged = len(generation.token_events)
         return sse_data({"id": completion_id, "object": "text_completion", "created": created,
-                         "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "model": model, "choices": [{"index": 0, "text": text,
+                                                      "logprobs": logprobs,
                                                       "finish_reason": finish_reason}]})
 
     if echo:
