@@ -72,3 +72,32 @@ def test_gemma_chat_template_and_stop_tokens(default_model):
                     "<start_of_turn>user\nCapital of France?<end_of_turn>\n<start_of_turn>model\n")
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert end_of_turn in tokenizer.eos_token_ids
+
+
+def test_ctrl_c_during_conversion_leaves_nothing(tmp_path):
+    """A real SIGINT to `rewind convert` of the default GGUF, once its temp folder exists."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rewind.models.registry import default_gguf
+
+    out = tmp_path / "models" / "interrupted"
+    log = (tmp_path / "log").open("w")  # a file, not a pipe: a full pipe would block the progress bar
+    process = subprocess.Popen([sys.executable, "-m", "rewind", "convert", str(default_gguf()), "--out", str(out)],
+                               stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.parent.glob(".interrupted.partial-*")) and time.monotonic() < deadline:
+            assert process.poll() is None, (tmp_path / "log").read_text()
+            time.sleep(0.05)
+        assert list(out.parent.glob(".interrupted.partial-*")), "the conversion never started"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130, (tmp_path / "log").read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+    assert [path.name for path in out.parent.iterdir()] == [".interrupted.lock"]
