@@ -203,6 +203,18 @@ def _convert_hf_folder(src: Path, out_dir: Path, spec: QuantSpec, show_progress:
         bar.update(1)
 
 
+def _import_heavy_modules(from_gguf: bool) -> None:
+    """Import the C extensions before the temp folder exists: a Ctrl-C that lands inside an
+    extension's init (nanobind's, for mlx) aborts the process with no cleanup at all."""
+    import mlx.core  # noqa: F401
+    import mlx_lm.utils  # noqa: F401
+    import tqdm  # noqa: F401
+
+    if from_gguf:
+        import gguf.quants  # noqa: F401
+        import transformers.integrations.gguf.gguf_tokenizer_mapping  # noqa: F401
+
+
 def convert(src: Path, out: Path, spec: QuantSpec, show_progress: bool = True) -> Path:
     """Convert `src` (a .gguf file or a HF folder of safetensors) into the mlx-lm folder `out`.
 
@@ -212,6 +224,7 @@ def convert(src: Path, out: Path, spec: QuantSpec, show_progress: bool = True) -
         raise FileNotFoundError(f"nothing to convert at {src}")
     if src.is_dir() and not (src / "config.json").exists():
         raise FileNotFoundError(f"{src} is a folder without config.json: not a Hugging Face model folder")
+    _import_heavy_modules(from_gguf=not src.is_dir())
     with folder_lock(out):
         if is_model_folder(out):
             return out
