@@ -150,7 +150,8 @@ def test_expansion_spans_and_checkpoint_positions(vision):
     assert prepared.tokens[spans[0].end] == adapter.eoi_token_id
     assert set(prepared.tokens[spans[1].start:spans[1].end]) == {adapter.image_token_id}
     assert prepared.checkpoints == [len(text), len(prepared.tokens)]
-    assert prepared.extras.image_hashes == [(s.start, s.end, im.sha256) for s, im in zip(spans, images)]
+    assert prepared.extras.image_hashes == [(s.start, s.end, im.sha256)
+                                            for s, im in zip(spans, images)]
 
 
 def test_placeholders_must_match_the_images(vision):

@@ -52,7 +52,8 @@ def test_grayscale_and_alpha_become_rgb():
 
 
 def test_same_pixels_other_encoding_is_another_image():
-    assert image_from_bytes(encoded(fmt="PNG")).sha256 != image_from_bytes(encoded(fmt="BMP")).sha256
+    png, bmp = image_from_bytes(encoded(fmt="PNG")), image_from_bytes(encoded(fmt="BMP"))
+    assert png.sha256 != bmp.sha256
 
 
 @pytest.mark.parametrize("payload, message", [

@@ -208,7 +208,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Prompt: {model['prompt_tokens']} tokens, of which **{model['image_tokens']} image "
         f"tokens** ({model['images']} images of {model['tokens_per_image']} tokens: a "
-        f"{result['image_px']}x{result['image_px']} picture as its {result['grid']}x{result['grid']} "
+        f"{result['image_px']}x{result['image_px']} picture as its "
+        f"{result['grid']}x{result['grid']} "
         "crops plus the downscaled whole, as Gemma 3's pan-and-scan sends a high-resolution "
         "image). One token generated per request; times are wall-clock from the PNG bytes to "
         "the first token (decode, preprocessing, vision tower, prefill).",

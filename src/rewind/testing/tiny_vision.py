@@ -171,8 +171,8 @@ def _scaled(items: list[tuple[str, Any]], gain: float) -> dict[str, Any]:
 
 
 def build_tiny_vision_model(out_dir: Path, seed: int = SEED,
-                            config_override: dict[str, Any] | None = None, gain: float = WEIGHT_GAIN,
-                            dtype: Any = None) -> Path:
+                            config_override: dict[str, Any] | None = None,
+                            gain: float = WEIGHT_GAIN, dtype: Any = None) -> Path:
     """Write the tiny Gemma 3 vision model into `out_dir` and return `out_dir`.
 
     `config_override` replaces top-level config keys (text_config, vision_config, vocab_size,

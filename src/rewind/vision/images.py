@@ -28,8 +28,8 @@ MAX_IMAGE_PIXELS = 50_000_000  # decoded width * height (a decompression bomb st
 MAX_IMAGES_PER_REQUEST = 8
 URL_TIMEOUT_SECONDS = 10.0
 
-_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$",
-                       re.DOTALL)
+_DATA_URL = re.compile(
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 
 
 class ImageError(ValueError):
@@ -146,7 +146,8 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
 class ImageCollector:
     """Gathers a request's images in prompt order and enforces the per-request count."""
 
-    def __init__(self, limits: ImageLimits = ImageLimits(), known: KnownImage | None = None) -> None:
+    def __init__(self, limits: ImageLimits = ImageLimits(),
+                 known: KnownImage | None = None) -> None:
         self.limits = limits
         self.known = known
         self.images: list[DecodedImage] = []
