@@ -278,3 +278,33 @@ def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
         prompt_cache.close()
     assert all(c.finish.reason == "length" for c in together), [c.finish.error for c in together]
     assert [c.tokens for c in together] == alone
+
+
+def test_without_mlx_vlm_a_vision_folder_says_what_to_install(vision, monkeypatch):
+    import sys
+
+    from rewind.vision.vlm import VisionUnavailableError
+
+    monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # makes `import mlx_vlm` fail
+    with pytest.raises(VisionUnavailableError, match=r"rewind-engine\[vision\]"):
+        adapter_for(vision[0])
+
+
+def test_feature_lru_is_bounded_and_counts_tower_runs(vision):
+    from rewind.vision.features import FeatureLRU
+
+    _, adapter = vision
+    saved = adapter.feature_cache
+    one_image = IMAGE_TOKENS * vision[0].config["text_config"]["hidden_size"] * 4  # float32
+    adapter.feature_cache = FeatureLRU(budget_bytes=one_image)
+    try:
+        runs = adapter.tower_runs
+        first, second = picture(20), picture(21)
+        adapter.features(first)
+        adapter.features(first)  # kept
+        adapter.features(second)  # evicts the first
+        adapter.features(first)
+        assert adapter.tower_runs - runs == 3
+        assert adapter.feature_cache.stats()["evictions"] == 2
+    finally:
+        adapter.feature_cache = saved

@@ -197,3 +197,14 @@ def test_images_on_a_text_model_are_refused(tiny_model_path, tmp_path):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_allow_image_urls_flag_reaches_the_server_config():
+    import argparse
+
+    from rewind.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    assert not serve.server_config(parser.parse_args(["serve"])).allow_image_urls
+    assert serve.server_config(parser.parse_args(["serve", "--allow-image-urls"])).allow_image_urls
