@@ -264,19 +264,21 @@ def run(args: argparse.Namespace) -> int:
         [[i, f"{extra['disk'][i]:.0f}", f"{extra['ram'][i]:.0f}"] for i in range(len(extra["disk"]))],
         note=f"Disk tier: RAM hot tier {args.hot_ram} + scratch file; all in RAM: no disk tier, "
              "unbounded RAM tier. Extra RSS over the process after loading the model."))
-    stem = "prompt_cache_quick" if args.quick else "prompt_cache"
     xs = [t["turn"] for t in turns]
     report.plots.append(Plot(
-        f"{stem}.png", "Time to first token per turn (Gemma 3 270M, CPU)", "turn", "seconds",
+        "ttft.png", "Time to first token per turn (Gemma 3 270M, CPU)", "turn", "seconds",
         {"with prompt cache": (xs, [t["ttft_cached_s"] for t in turns]),
          "without": ([t["turn"] for t in measured], [t["ttft_uncached_s"] for t in measured])}))
     report.plots.append(Plot(
-        f"{stem}_rss.png", "Extra process RSS over conversations", "conversations", "MiB",
+        "rss.png", "Extra process RSS over conversations", "conversations", "MiB",
         {"disk tier": (list(range(len(extra["disk"]))), extra["disk"]),
          "all in RAM": (list(range(len(extra["ram"]))), extra["ram"])}))
     report.notes.append("Records are float32 (the loader computes in float32 on CPU): per 256 "
                         "tokens a K/V delta of the 3 global layers (1.5 MiB) and, at each "
                         "checkpoint, the 512-row window of the 15 sliding layers (15 MiB).")
+    report.notes.append("Time to first token moves with the machine's load (load_average under "
+                        "Machine): both columns of a turn ran back to back under the same load.")
+    stem = "prompt_cache_quick" if args.quick else "prompt_cache"
     for path in report.write(args.out, stem):
         print(path)
     print(json.dumps(summary, indent=1))
