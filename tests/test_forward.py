@@ -200,3 +200,30 @@ def test_prepare_for_backend_computes_in_float32_on_cpu(tiny_model_path) -> None
     prepare_for_backend(model, cpu_head="off")
     dtypes = {value.dtype for _, value in tree_flatten(model.parameters())}
     assert dtypes == {mx.float32}  # dequantized: MLX's CPU quantized matmul is not the fast path
+
+
+def test_fast_gelu_matches_mlx_gelu_approx() -> None:
+    import mlx.nn as nn
+
+    from rewind.models.cpu_activations import gelu_tanh, tanh_rational
+
+    x = mx.linspace(-12, 12, 200_001)
+    np.testing.assert_allclose(np.array(tanh_rational(x)), np.array(mx.tanh(x)), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.array(gelu_tanh(x)), np.array(nn.gelu_approx(x)),
+                               atol=2e-6, rtol=1e-6)
+
+
+def test_fast_gelu_swap_keeps_weights_and_answers(tiny_model_path) -> None:
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    from rewind.models.cpu_activations import use_fast_gelu
+
+    plain, _ = load(str(tiny_model_path("gemma3")))
+    swapped, _ = load(str(tiny_model_path("gemma3")))
+    names_before = [name for name, _ in tree_flatten(swapped.parameters())]
+    assert use_fast_gelu(swapped) == 6  # one MLP per layer
+    assert [name for name, _ in tree_flatten(swapped.parameters())] == names_before
+    tokens = mx.array([_prompt(100, 512)])
+    np.testing.assert_allclose(np.array(swapped(tokens)), np.array(plain(tokens)),
+                               atol=ATOL, rtol=RTOL)

@@ -52,6 +52,8 @@ def resolve(name_or_path: str) -> Path:
 # auto: the bf16 head where it is exact (bf16 checkpoints such as the CPU default), else MLX's.
 CPU_HEAD_ENV = "REWIND_CPU_HEAD"
 DEFAULT_CPU_HEAD = "auto"
+# REWIND_FAST_GELU=0 keeps mlx-lm's scalar tanh-GELU on CPU (rewind.models.cpu_activations).
+FAST_GELU_ENV = "REWIND_FAST_GELU"
 
 
 def is_cpu_backend() -> bool:
@@ -72,7 +74,8 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     """Set the model's compute dtype for this backend, in place.
 
     CPU: quantized layers are dequantized (MLX's CPU quantized matmul is no faster than float32
-    through BLAS, so keeping them packed saves memory but costs speed), floats become float32, and
+    through BLAS, so keeping them packed saves memory but costs speed), floats become float32,
+    Gemma 3's tanh-GELU becomes a vectorized one (rewind.models.cpu_activations), and
     the output projection gets a bf16/int8 copy read by a C kernel for decode (see
     rewind.engine.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become bfloat16;
     quantized layers stay quantized (the GPU kernels for them are fast).
@@ -91,6 +94,10 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     model.update(tree_map(lambda value: value.astype(target)
                           if mx.issubdtype(value.dtype, mx.floating) else value, model.parameters()))
     mx.eval(model.parameters())
+    if on_cpu and os.environ.get(FAST_GELU_ENV, "1") != "0":
+        from rewind.models.cpu_activations import use_fast_gelu
+
+        use_fast_gelu(model)
     head_form = cpu_head or os.environ.get(CPU_HEAD_ENV) or DEFAULT_CPU_HEAD
     if on_cpu and head_form != "off":
         from rewind.engine.fast_head import install_fast_head
