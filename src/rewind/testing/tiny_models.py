@@ -185,12 +185,16 @@ def _scale_init(model: Any) -> None:
     mx.eval(model.parameters())
 
 
-def build_tiny_model(family: str, out_dir: Path, seed: int = SEED) -> Path:
-    """Write a tiny random-weight mlx-lm model of `family` into `out_dir` and return `out_dir`."""
+def build_tiny_model(family: str, out_dir: Path, seed: int = SEED,
+                     overrides: dict | None = None) -> Path:
+    """Write a tiny random-weight mlx-lm model of `family` into `out_dir` and return `out_dir`.
+
+    `overrides` replaces config fields, e.g. to build a random model of a real model's size for
+    speed measurements (the weights stay random, so only timings mean anything)."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes, save_config, save_model
 
-    config = _family_config(family)
+    config = {**_family_config(family), **(overrides or {})}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     special_ids = _train_tokenizer(out_dir)
