@@ -38,14 +38,19 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 
-# 3. Install (again) only when pyproject.toml or the extras changed.
+# 3. Install (again) only when pyproject.toml changed or an extra is asked for that is not there yet;
+#    extras already installed are kept, so the serve and test commands never undo each other.
 stamp=".venv/.rewind-installed"
-want="$(cat pyproject.toml | sha256sum | cut -c1-16)-$extras"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  say "installing rewind-engine[$extras] into .venv (about a minute)"
+hash="$(sha256sum pyproject.toml | cut -c1-16)"
+have_hash=""; have_extras=""
+[ -f "$stamp" ] && read -r have_hash have_extras < "$stamp" || true
+union="$(printf '%s\n' ${extras//,/ } ${have_extras//,/ } | sort -u | paste -sd, -)"
+if [ "$have_hash" != "$hash" ] || [ "$union" != "$have_extras" ]; then
+  [ "$have_hash" = "$hash" ] || union="$extras"
+  say "installing rewind-engine[$union] into .venv (a few minutes on a fresh machine)"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # This machine's pip config names local mirrors that may be absent: drop that noise only.
-  .venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | { grep -v 'is ignored: it is neither' || true; }
+  .venv/bin/python -m pip install -q -e ".[$union]" 2>&1 | { grep -v 'is ignored: it is neither' || true; }
   [ "${PIPESTATUS[0]}" = "0" ] || { say "pip install failed"; exit 1; }
-  echo "$want" > "$stamp"
+  echo "$hash $union" > "$stamp"
 fi

@@ -2,7 +2,8 @@
 # Set up (idempotent) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup.sh"
+# The vision extra (mlx-vlm) is installed too, so its tests run instead of skipping.
+REWIND_EXTRAS="${REWIND_EXTRAS:-dev,vision}" bash "$root/scripts/setup.sh"
 cd "$root"
 # The test process gets the same fast BLAS that the `rewind` command preloads for itself.
 preload="$(.venv/bin/python -m rewind.blas --preload-value)"
