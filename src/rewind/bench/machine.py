@@ -70,3 +70,12 @@ def machine_info() -> dict[str, Any]:
 def machine_markdown(info: dict[str, Any]) -> str:
     """A short Markdown list of the machine facts."""
     return "\n".join(f"- {key}: {value}" for key, value in info.items())
+
+
+def command_line() -> str:
+    """The command that made a results file, as a person would type it again."""
+    import shlex
+
+    argv = sys.argv[1:]
+    # Through `rewind` the argv starts at the subcommand; keep it readable either way.
+    return "rewind " + shlex.join(argv) if argv and argv[0] == "bench" else shlex.join(sys.argv)

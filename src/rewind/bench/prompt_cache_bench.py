@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rewind.bench.report import Plot, Report, Table
-from rewind.bench.sidebyside import command_line
+from rewind.bench.machine import command_line
 from rewind.bench.textgen import AgenticText, agent_messages
 
 NAME = "prompt-cache"
