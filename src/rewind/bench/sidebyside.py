@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
-import shlex
 import shutil
 import signal
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rewind.bench.client import make_client, timed_chat
+from rewind.bench.machine import command_line  # noqa: F401  (re-exported for the workloads)
 from rewind.bench.harness import (RssSampler, ServerProcess, ServerStartError, free_port,
                                   stop_all_servers)
 from rewind.bench.servers import (ModelFiles, ServerOptions, ServerUnavailable, build_server,
@@ -101,12 +101,6 @@ def model_files(args: argparse.Namespace) -> ModelFiles:
         folder = quick_model_dir()
         return ModelFiles(name="tiny-gemma3", mlx_folder=folder, gguf=None)
     return resolve_model_files(args.model or "default")
-
-
-def command_line() -> str:
-    argv = sys.argv[1:]
-    # Through `rewind` the argv starts at the subcommand; keep it readable either way.
-    return "rewind " + shlex.join(argv) if argv and argv[0] == "bench" else shlex.join(sys.argv)
 
 
 def calibrate_prefill(run_server: ServerProcess, tokens: int, seed: int) -> float | None:

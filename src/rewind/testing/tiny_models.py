@@ -137,8 +137,11 @@ def _family_config(family: str) -> dict[str, Any]:
     raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
-def _train_tokenizer(out_dir: Path) -> dict[str, int]:
-    """A byte-level BPE trained on TRAINING_TEXT; returns the special tokens' ids."""
+def train_tokenizer(out_dir: Path, special_tokens: list[str] | None = None,
+                    extra_config: dict | None = None) -> dict[str, int]:
+    """A byte-level BPE trained on TRAINING_TEXT, saved with its tokenizer_config.json (plus
+    `extra_config`); returns the special tokens' ids."""
+    special_tokens = special_tokens or SPECIAL_TOKENS
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -146,12 +149,12 @@ def _train_tokenizer(out_dir: Path) -> dict[str, int]:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    ids = {token: tokenizer.token_to_id(token) for token in special_tokens}
     # Like Llama and Gemma: plain encoding starts with <bos>; the chat template writes its own.
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, ids[BOS])]
@@ -167,6 +170,7 @@ def _train_tokenizer(out_dir: Path) -> dict[str, int]:
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
+        **(extra_config or {}),
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return ids
@@ -197,7 +201,7 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = SEED,
     config = {**_family_config(family), **(overrides or {})}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    special_ids = _train_tokenizer(out_dir)
+    special_ids = train_tokenizer(out_dir)
     config["bos_token_id"] = special_ids[BOS]
     config["eos_token_id"] = [special_ids[TURN_END], special_ids[EOS]]
     config["pad_token_id"] = special_ids[PAD]

@@ -21,16 +21,15 @@ from typing import Any
 
 from rewind.testing.tiny_models import (
     BOS,
-    CHAT_TEMPLATE,
     EOS,
     PAD,
     SEED,
     SPECIAL_TOKENS,
-    TRAINING_TEXT,
     TURN_END,
     VOCAB_SIZE,
     WEIGHT_GAIN,
     _family_config,
+    train_tokenizer,
 )
 
 BOI, EOI, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
@@ -74,36 +73,9 @@ def tiny_vision_config(special_ids: dict[str, int]) -> dict[str, Any]:
 
 def _train_tokenizer(out_dir: Path) -> dict[str, int]:
     """The tiny byte-level BPE of tiny_models, plus Gemma 3's three image tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=VISION_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
-    ids = {token: tokenizer.token_to_id(token) for token in VISION_SPECIAL_TOKENS}
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, ids[BOS])])
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": TURN_END,
-        "pad_token": PAD,
-        "unk_token": None,
-        "add_bos_token": True,
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        # What Gemma 3's processor reads to expand an image placeholder.
-        "boi_token": BOI,
-        "eoi_token": EOI,
-        "image_token": IMAGE_TOKEN,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return ids
+    # What Gemma 3's processor reads to expand an image placeholder.
+    image_config = {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE_TOKEN}
+    return train_tokenizer(out_dir, VISION_SPECIAL_TOKENS, image_config)
 
 
 def _preprocessor_config(image_size: int = IMAGE_SIZE,
