@@ -33,9 +33,10 @@ for cand in python3.13 python3.12 python3.11 python3; do
 done
 [ -n "$py" ] || { say "Python 3.11 or newer is required"; exit 1; }
 
-if [ ! -x .venv/bin/python ]; then
+# A set-up interrupted while creating the venv leaves one without pip: make it anew.
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
   say "creating .venv with $py"
-  "$py" -m venv .venv
+  "$py" -m venv --clear .venv
 fi
 
 # 3. Install (again) only when pyproject.toml changed or an extra is asked for that is not there yet;
