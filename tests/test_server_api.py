@@ -6,7 +6,6 @@ paths; tool calls are produced by a prefilled assistant turn that the model must
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from live_server import serve_on_free_port
 import uvicorn
 
 from rewind.cache.prompt_cache import PromptCache
@@ -58,18 +58,8 @@ class Live:
 
 
 def start_server(app: Any, engine: Engine, loaded: Any) -> Live:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    return Live(f"http://127.0.0.1:{port}", engine, loaded, str(loaded.name), server, thread)
+    url, server, thread = serve_on_free_port(app)
+    return Live(url, engine, loaded, str(loaded.name), server, thread)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from live_server import serve_on_free_port
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
@@ -56,18 +55,8 @@ class Live:
 
 
 def start_server(app: Any, loaded: Any) -> Live:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    return Live(f"http://127.0.0.1:{port}", str(loaded.name), server, thread)
+    url, server, thread = serve_on_free_port(app)
+    return Live(url, str(loaded.name), server, thread)
 
 
 def png_base64(seed: int, size: tuple[int, int] = (64, 48)) -> str:
