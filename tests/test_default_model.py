@@ -55,6 +55,36 @@ def test_eiffel_tower_is_in_paris(default_model):
     assert greedy_continuation(default_model, "The Eiffel Tower is located in the city of", 2).startswith(" Paris")
 
 
+def test_decode_kernels_give_the_mlx_answer(default_model):
+    """The default (bf16 checkpoint) decodes through the bf16 CPU kernels; its greedy tokens and
+    logits are those of MLX's float32 layers."""
+    import mlx.core as mx
+    import numpy as np
+
+    from rewind.engine.native_decode import native_decoder
+    from rewind.engine.single import generate_tokens
+
+    model = default_model.model
+    decoder = native_decoder(model)
+    if not mx.default_device() == mx.cpu:
+        pytest.skip("the decode kernels are for the CPU backend")
+    assert decoder is not None and decoder.form == "bf16"
+    prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of")
+
+    def trace():
+        steps = list(generate_tokens(model, prompt, max_tokens=24))
+        return [t for t, _ in steps], np.stack([np.array(lp) for _, lp in steps])
+
+    tokens, logprobs = trace()
+    model.__dict__.pop("_rewind_native_decoder")
+    try:
+        plain_tokens, plain_logprobs = trace()
+    finally:
+        object.__setattr__(model, "_rewind_native_decoder", decoder)
+    assert tokens == plain_tokens
+    assert np.abs(logprobs - plain_logprobs).max() < 5e-3
+
+
 def test_perplexity_under_measured_bound(default_model):
     from rewind.models.quality import perplexity
 

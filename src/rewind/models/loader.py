@@ -70,14 +70,17 @@ def compute_dtype() -> Any:
     return mx.float32 if is_cpu_backend() else mx.bfloat16
 
 
-def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None) -> Any:
+def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None,
+                        native_decode: str | None = None) -> Any:
     """Set the model's compute dtype for this backend, in place.
 
     CPU: quantized layers are dequantized (MLX's CPU quantized matmul is no faster than float32
     through BLAS, so keeping them packed saves memory but costs speed), floats become float32,
     Gemma 3's tanh-GELU becomes a vectorized one (rewind.models.cpu_activations), and
     the output projection gets a bf16/int8 copy read by a C kernel for decode (see
-    rewind.engine.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become bfloat16;
+    rewind.engine.fast_head; `cpu_head` "off" keeps MLX's), and one-token steps go through C
+    kernels (rewind.engine.native_decode; `native_decode` or REWIND_NATIVE_DECODE "off" keeps
+    MLX's). GPU: float weights become bfloat16;
     quantized layers stay quantized (the GPU kernels for them are fast).
     """
     import os
@@ -103,18 +106,22 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
         from rewind.engine.fast_head import install_fast_head
 
         install_fast_head(model, head_form)
+    if on_cpu:
+        from rewind.engine.native_decode import install_native_decoder
+
+        install_native_decoder(model, native_decode)
     return model
 
 
-def load_model(name_or_path: str, *, dtype: Any | None = None,
-               cpu_head: str | None = None) -> LoadedModel:
+def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
+               native_decode: str | None = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
     prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
     from mlx_lm.utils import load
 
     path = resolve(name_or_path)
     model, tokenizer = load(str(path))
-    prepare_for_backend(model, dtype, cpu_head)
+    prepare_for_backend(model, dtype, cpu_head, native_decode)
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path))

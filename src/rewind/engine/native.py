@@ -1,0 +1,135 @@
+"""Build and load rewind/native/cpu_kernels.c: the CPU decode kernels (matvecs, layer work).
+
+Compiled once with the system C compiler into the cache folder, keyed by the source and the
+flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; OpenMP for threads), and loaded
+with ctypes. `load_kernels()` returns None where that cannot happen (not x86-64 with AVX2, no
+compiler, a failed build): callers then keep MLX's path, which gives the same answers slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from rewind.paths import cache_home
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "native" / "cpu_kernels.c"
+_BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+
+FORM_F32, FORM_BF16, FORM_INT8 = 0, 1, 2
+FORMS = {"f32": FORM_F32, "bf16": FORM_BF16, "int8": FORM_INT8}
+ACT_GELU_TANH, ACT_SILU = 0, 1
+
+_kernels: ctypes.CDLL | None = None
+_tried = False
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("form", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("qkv", Matrix), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("o", Matrix), ("post_attn_norm", ctypes.c_void_p),
+                ("pre_ff_norm", ctypes.c_void_p), ("gate_up", Matrix), ("down", Matrix),
+                ("post_ff_norm", ctypes.c_void_p)]
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("intermediate", ctypes.c_int64), ("rope_dims", ctypes.c_int64),
+                ("activation", ctypes.c_int64), ("threads", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("rope_scale", ctypes.c_float),
+                ("traditional", ctypes.c_int64)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def compile_flags() -> list[str] | None:
+    """The flags for this CPU, or None where the kernels cannot run (no AVX2/FMA)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    flags = _cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return None
+    if os.environ.get("REWIND_NO_AVX512") != "1" and {"avx512f", "avx512bw", "avx512vl",
+                                                        "avx512dq"} <= flags:
+        return [*_BASE_FLAGS, *_AVX512_FLAGS]
+    return [*_BASE_FLAGS, *_AVX2_FLAGS]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.matvec.argtypes = [p, p, ctypes.c_int, p, p, i64, i64, i64, ctypes.c_int]
+    lib.layer_pre.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p, p, p]
+    lib.layer_post.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p]
+    lib.rows_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
+    for name in ("matvec", "layer_pre", "layer_post", "rows_rms_norm"):
+        getattr(lib, name).restype = ctypes.c_int
+
+
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use), or None where they cannot be built here."""
+    global _kernels, _tried
+    if _tried:
+        return _kernels
+    _tried = True
+    flags = compile_flags()
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if flags is None or compiler is None or not SOURCE.exists():
+        log.info("native CPU kernels unavailable (need x86-64 AVX2/FMA and a C compiler)")
+        return None
+    source = SOURCE.read_bytes()
+    tag = hashlib.blake2b(source + " ".join(flags).encode(), digest_size=8).hexdigest()
+    library = cache_home() / "native" / f"cpu_kernels-{tag}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+            built = Path(scratch) / library.name
+            try:
+                result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
+                                        capture_output=True, text=True, timeout=180)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("native CPU kernels: could not run %s: %s", compiler, exc)
+                return None
+            if result.returncode != 0:
+                log.warning("native CPU kernels: compiling %s failed: %s", SOURCE,
+                            result.stderr[-800:])
+                return None
+            os.replace(built, library)  # atomic: a reader never sees half a library
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as exc:
+        log.warning("native CPU kernels: loading %s failed: %s", library, exc)
+        return None
+    _declare(lib)
+    _kernels = lib
+    return lib
+
+
+def kernel_threads() -> int:
+    """One thread per core, the count the CLI gives OpenBLAS (OPENBLAS_NUM_THREADS wins)."""
+    value = os.environ.get("OPENBLAS_NUM_THREADS") or ""
+    return int(value) if value.isdigit() and int(value) > 0 else (os.cpu_count() or 1)

@@ -1,0 +1,261 @@
+/* CPU kernels for decode: weight-streaming matvecs and the per-layer work around attention.
+
+   Why: on a CPU, a decode step is bound by the bytes of weights it reads and, in MLX, by the
+   fixed cost of each graph node (~40 per layer). MLX's CPU backend has no fast bf16 or int8
+   matmul (both run slower than float32 through BLAS), so these kernels read weights as bf16
+   (exact for bf16 checkpoints), int8 with one scale per output row, or float32, widen them in
+   registers and accumulate in float32 with FMA, for up to a few rows of activations at once
+   (the decode batch). `layer_pre` and `layer_post` do everything of a transformer layer except
+   the KV-cache update and attention, which stay in MLX (rewind.engine.native_decode) so every
+   cache class, mask and the prompt cache keep working unchanged.
+
+   Built at first use by rewind.engine.native with the system C compiler (AVX-512 where the CPU
+   has it, else AVX2) and OpenMP; without a compiler Rewind keeps MLX's path. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
+enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
+
+#define RB 4 /* output rows per block: independent FMA chains, weights read once */
+
+#ifdef __AVX512F__
+#define XG 4 /* activation rows per pass */
+#define VW 16
+typedef __m512 vf;
+static inline vf ld_bf16(const uint16_t *p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline vf ld_i8(const int8_t *p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#define LDF(p) _mm512_loadu_ps(p)
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define ZERO() _mm512_setzero_ps()
+static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#else
+#define XG 2
+#define VW 8
+typedef __m256 vf;
+static inline vf ld_bf16(const uint16_t *p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline vf ld_i8(const int8_t *p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#define LDF(p) _mm256_loadu_ps(p)
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define ZERO() _mm256_setzero_ps()
+static inline float hsum(vf v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+static inline float weight_at(const void *w, int form, int64_t i) {
+  if (form == FORM_INT8) return (float)((const int8_t *)w)[i];
+  if (form == FORM_F32) return ((const float *)w)[i];
+  uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline vf load_weights(const void *w, int form, int64_t i) {
+  if (form == FORM_BF16) return ld_bf16((const uint16_t *)w + i);
+  if (form == FORM_INT8) return ld_i8((const int8_t *)w + i);
+  return LDF((const float *)w + i);
+}
+
+/* One block of RB output rows against NX activation rows; NX is a constant per copy so the
+   compiler keeps every accumulator in a register. */
+#define DEFINE_BLOCK(NX)                                                                        \
+  static inline void block_##NX(const void *W, const float *scale, int form, const float *x,    \
+                                float *y, int64_t o0, int64_t nr, int64_t in, int64_t out,      \
+                                int64_t r0) {                                                   \
+    vf acc[RB][NX];                                                                             \
+    for (int i = 0; i < RB; ++i)                                                                \
+      for (int j = 0; j < NX; ++j) acc[i][j] = ZERO();                                          \
+    int64_t k = 0;                                                                              \
+    if (nr == RB) {                                                                             \
+      for (; k + VW <= in; k += VW) {                                                           \
+        vf w[RB];                                                                               \
+        for (int i = 0; i < RB; ++i) w[i] = load_weights(W, form, (o0 + i) * in + k);          \
+        for (int j = 0; j < NX; ++j) {                                                          \
+          vf xv = LDF(x + (r0 + j) * in + k);                                                   \
+          for (int i = 0; i < RB; ++i) acc[i][j] = FMA(w[i], xv, acc[i][j]);                    \
+        }                                                                                       \
+      }                                                                                         \
+    }                                                                                           \
+    for (int i = 0; i < nr; ++i)                                                                \
+      for (int j = 0; j < NX; ++j) {                                                            \
+        float s = k ? hsum(acc[i][j]) : 0.f;                                                    \
+        for (int64_t kk = k; kk < in; ++kk)                                                     \
+          s += weight_at(W, form, (o0 + i) * in + kk) * x[(r0 + j) * in + kk];                 \
+        if (scale) s *= scale[o0 + i];                                                          \
+        y[(r0 + j) * out + o0 + i] = s;                                                         \
+      }                                                                                         \
+  }
+DEFINE_BLOCK(1)
+DEFINE_BLOCK(2)
+#if XG >= 4
+DEFINE_BLOCK(3)
+DEFINE_BLOCK(4)
+#endif
+
+/* y[r][o] = scale[o] * sum_k W[o][k] x[r][k]; W [out, in] row-major in `form`; x [m, in],
+   y [m, out] float32. Output rows are split across `threads`. */
+int matvec(const void *W, const float *scale, int form, const float *x, float *y, int64_t out,
+           int64_t in, int64_t m, int threads) {
+  if (m < 1 || out < 1 || in < 1) return -1;
+  if (threads < 1) threads = 1;
+  int64_t blocks = (out + RB - 1) / RB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t o0 = b * RB, nr = out - o0 < RB ? out - o0 : RB;
+    for (int64_t r0 = 0; r0 < m; r0 += XG) {
+      switch (m - r0 < XG ? m - r0 : XG) {
+        case 1: block_1(W, scale, form, x, y, o0, nr, in, out, r0); break;
+        case 2: block_2(W, scale, form, x, y, o0, nr, in, out, r0); break;
+#if XG >= 4
+        case 3: block_3(W, scale, form, x, y, o0, nr, in, out, r0); break;
+        case 4: block_4(W, scale, form, x, y, o0, nr, in, out, r0); break;
+#endif
+      }
+    }
+  }
+  return 0;
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, as mx.fast.rms_norm (w already holds 1 + w for Gemma). */
+static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  float inv = 1.0f / sqrtf(sum / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+/* mx.fast.rope on one head vector: the first `dims` entries rotate, the rest pass through. */
+static void rope(float *v, int64_t dims, float position, const float *inv_freq, int traditional) {
+  int64_t half = dims / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    float theta = position * inv_freq[i];
+    float c = cosf(theta), s = sinf(theta);
+    int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+    float x1 = v[a], x2 = v[b];
+    v[a] = x1 * c - x2 * s;
+    v[b] = x1 * s + x2 * c;
+  }
+}
+
+typedef struct {
+  const void *weight; /* [out, in] in `form` */
+  const float *scale; /* per output row (int8), else NULL */
+  const float *bias;  /* [out] or NULL */
+  int64_t form;
+} Matrix;
+
+/* y = W x (+ bias) for m rows, through `matvec`. */
+static int apply(const Matrix *M, const float *x, float *y, int64_t out, int64_t in, int64_t m,
+                 int threads) {
+  int status = matvec(M->weight, M->scale, (int)M->form, x, y, out, in, m, threads);
+  if (status || !M->bias) return status;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t o = 0; o < out; ++o) y[r * out + o] += M->bias[o];
+  return 0;
+}
+
+typedef struct {
+  const float *input_norm;  /* [H] */
+  Matrix qkv;               /* [(nH + 2 nKV) D, H]: q, k and v projections stacked */
+  const float *q_norm;      /* [D] or NULL */
+  const float *k_norm;      /* [D] or NULL */
+  Matrix o;                 /* [H, nH D] */
+  const float *post_attn_norm; /* [H] or NULL (Gemma: norm of the attention output) */
+  const float *pre_ff_norm;    /* [H] */
+  Matrix gate_up;           /* [2 I, H]: gate then up */
+  Matrix down;              /* [H, I] */
+  const float *post_ff_norm;   /* [H] or NULL */
+} Layer;
+
+typedef struct {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, rope_dims, activation, threads;
+  float eps, rope_scale;
+  int64_t traditional;
+} Shape;
+
+/* Before attention: h = norm(x); q, k, v = projections of h; per-head q/k norms; RoPE at each
+   row's position. qkv_out [m, (nH + 2 nKV) D]. scratch: [m, H]. */
+int layer_pre(const Layer *L, const Shape *S, const float *x, int64_t m, const int64_t *positions,
+              const float *inv_freq, float *qkv_out, float *scratch) {
+  const int64_t H = S->hidden, D = S->head_dim, nH = S->heads, nKV = S->kv_heads;
+  const int64_t width = (nH + 2 * nKV) * D;
+  for (int64_t r = 0; r < m; ++r) rms_norm(x + r * H, L->input_norm, S->eps, H, scratch + r * H);
+  int status = apply(&L->qkv, scratch, qkv_out, width, H, m, (int)S->threads);
+  if (status) return status;
+  for (int64_t r = 0; r < m; ++r) {
+    float *row = qkv_out + r * width;
+    float position = (float)positions[r] * S->rope_scale;
+    for (int64_t h = 0; h < nH + nKV; ++h) {
+      float *v = row + h * D;
+      const float *norm = h < nH ? L->q_norm : L->k_norm;
+      if (norm) rms_norm(v, norm, S->eps, D, v);
+      rope(v, S->rope_dims, position, inv_freq, (int)S->traditional);
+    }
+  }
+  return 0;
+}
+
+static inline float gelu_tanh(float x) {
+  const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+/* After attention: x += post_attn_norm(o_proj(attn)); x += post_ff_norm(down(act(gate) * up))
+   with the MLP input pre_ff_norm(x). x [m, H] in place; attn [m, nH D];
+   scratch: [m, H + 3 I] floats. */
+int layer_post(const Layer *L, const Shape *S, float *x, int64_t m, const float *attn,
+               float *scratch) {
+  const int64_t H = S->hidden, I = S->intermediate, A = S->heads * S->head_dim;
+  float *proj = scratch, *gate_up = scratch + m * H, *act = gate_up + m * 2 * I;
+  int status = apply(&L->o, attn, proj, H, A, m, (int)S->threads);
+  if (status) return status;
+  for (int64_t r = 0; r < m; ++r) {
+    float *p = proj + r * H, *xr = x + r * H;
+    if (L->post_attn_norm) rms_norm(p, L->post_attn_norm, S->eps, H, p);
+    for (int64_t i = 0; i < H; ++i) xr[i] += p[i];
+    rms_norm(xr, L->pre_ff_norm, S->eps, H, p);
+  }
+  status = apply(&L->gate_up, proj, gate_up, 2 * I, H, m, (int)S->threads);
+  if (status) return status;
+  for (int64_t r = 0; r < m; ++r) {
+    const float *g = gate_up + r * 2 * I, *u = g + I;
+    float *a = act + r * I;
+    if (S->activation == ACT_SILU)
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    else
+      for (int64_t i = 0; i < I; ++i) a[i] = gelu_tanh(g[i]) * u[i];
+  }
+  status = apply(&L->down, act, proj, H, I, m, (int)S->threads);
+  if (status) return status;
+  for (int64_t r = 0; r < m; ++r) {
+    float *p = proj + r * H, *xr = x + r * H;
+    if (L->post_ff_norm) rms_norm(p, L->post_ff_norm, S->eps, H, p);
+    for (int64_t i = 0; i < H; ++i) xr[i] += p[i];
+  }
+  return 0;
+}
+
+/* out[r] = norm(x[r]) for the final norm. */
+int rows_rms_norm(const float *x, const float *w, float eps, int64_t m, int64_t n, float *out) {
+  for (int64_t r = 0; r < m; ++r) rms_norm(x + r * n, w, eps, n, out + r * n);
+  return 0;
+}

@@ -1,0 +1,190 @@
+"""CPU decode kernels (rewind.engine.native_decode): the same answers as MLX's path.
+
+Every test compares a model loaded with the kernels against the same folder loaded with
+REWIND_NATIVE_DECODE=off (MLX's own layers), on tiny random models of each supported family:
+greedy tokens identical, logits within float32 summation-order noise, across sliding windows,
+past 256-token blocks, in a continuous batch of rows at different positions, and after a
+prompt-cache restore.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from rewind.config import EngineConfig
+from rewind.engine import Engine, GenerationRequest, SamplingParams
+from rewind.engine import native
+from rewind.engine.forward import last_logits
+from rewind.engine.native_decode import install_native_decoder, native_decoder
+from rewind.models.loader import load_model
+from rewind.testing.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None,
+                                reason="needs x86-64 AVX2 and a C compiler")
+
+# Families beyond the factory's three, built from its llama config with overrides.
+EXTRA_FAMILIES = {
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},  # q/k/v biases
+    "llama-biased": {"attention_bias": True, "mlp_bias": True},
+}
+FAMILIES = ["gemma3", "llama", *EXTRA_FAMILIES]
+LOGIT_TOLERANCE = 1e-4  # float32 weights: only the order of summation differs
+
+
+@pytest.fixture(scope="module")
+def model_pair(tmp_path_factory: pytest.TempPathFactory):
+    """model_pair(family) -> (with kernels, MLX path): two loads of one tiny model folder."""
+    pairs: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in pairs:
+            base, overrides = (family, None) if family in ("gemma3", "llama") else (
+                "llama", EXTRA_FAMILIES[family])
+            folder = build_tiny_model(base, tmp_path_factory.mktemp(f"native-{family}"),
+                                      overrides=overrides)
+            pairs[family] = (load_model(str(folder)), load_model(str(folder), native_decode="off"))
+        return pairs[family]
+
+    return get
+
+
+def decode_trace(model, prompt: list[int], steps: int, cache=None) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits of every step, through rewind.engine.forward."""
+    cache = cache if cache is not None else make_prompt_cache(model)
+    logits = last_logits(model, mx.array([prompt]), cache)
+    tokens, rows = [], []
+    for _ in range(steps):
+        token = int(mx.argmax(logits[0]).item())
+        tokens.append(token)
+        logits = last_logits(model, mx.array([[token]]), cache)
+        rows.append(np.array(logits[0].astype(mx.float32)))
+    return tokens, np.stack(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_are_installed_for_supported_families(model_pair, family: str) -> None:
+    fast, plain = model_pair(family)
+    decoder = native_decoder(fast.model)
+    assert decoder is not None and decoder.form == "f32"  # random float32 weights: not bf16-exact
+    assert native_decoder(plain.model) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prompt_tokens", [5, 150, 300])  # inside, across the 64 window, > 256
+def test_decode_equals_mlx_path(model_pair, family: str, prompt_tokens: int) -> None:
+    fast, plain = model_pair(family)
+    prompt = np.random.default_rng(prompt_tokens).integers(3, 200, prompt_tokens).tolist()
+    fast_tokens, fast_logits = decode_trace(fast.model, prompt, 40)
+    plain_tokens, plain_logits = decode_trace(plain.model, prompt, 40)
+    assert fast_tokens == plain_tokens
+    assert np.abs(fast_logits - plain_logits).max() < LOGIT_TOLERANCE
+    assert len(set(fast_tokens)) > 3  # a random model that repeats one token would prove little
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_continuous_batch_equals_mlx_path(model_pair, family: str) -> None:
+    """Rows at different positions in mlx-lm's batch caches (left padding, rotating windows),
+    joining and leaving the batch at different steps."""
+    fast, plain = model_pair(family)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (3, 90, 270, 40)]
+    lengths = [30, 12, 25, 18]
+
+    def run(loaded) -> list[tuple[list[int], list[float]]]:
+        config = EngineConfig(parallel=4, prefill_chunk=256)
+        with Engine(loaded, config) as engine:
+            handles = [engine.submit(GenerationRequest(p, SamplingParams(
+                temperature=0.0, max_tokens=n, logprobs=True,
+                logit_bias={t: -1e9 for t in engine.eos_token_ids})))
+                for p, n in zip(prompts, lengths)]
+            results = [h.collect(120) for h in handles]
+        return [(r.tokens, r.logprobs) for r in results]
+
+    for (fast_tokens, fast_lp), (plain_tokens, plain_lp) in zip(run(fast), run(plain)):
+        assert fast_tokens == plain_tokens
+        assert np.allclose(fast_lp, plain_lp, atol=LOGIT_TOLERANCE)
+
+
+def test_decode_after_a_trimmed_cache_equals_mlx_path(model_pair) -> None:
+    """Rewinding a full-attention cache (as the prompt cache does) and decoding again."""
+    fast, plain = model_pair("llama")
+    prompt = list(range(3, 120))
+    results = []
+    for loaded in (fast, plain):
+        cache = make_prompt_cache(loaded.model)
+        decode_trace(loaded.model, prompt, 10, cache)
+        for layer in cache:
+            layer.trim(30)
+        results.append(decode_trace(loaded.model, [5], 20, cache))
+    assert results[0][0] == results[1][0]
+    assert np.abs(results[0][1] - results[1][1]).max() < LOGIT_TOLERANCE
+
+
+def test_bf16_and_int8_forms(tmp_path: Path) -> None:
+    """bf16 on bf16-exact weights gives MLX's answer; int8 stays within its rounding."""
+    folder = build_tiny_model("gemma3", tmp_path / "m")
+    plain = load_model(str(folder), native_decode="off")
+    for _, module in plain.model.named_modules():  # make every weight bf16-representable
+        if "weight" in module and module["weight"].ndim == 2:
+            module.weight = module.weight.astype(mx.bfloat16).astype(mx.float32)
+    prompt = list(range(3, 100))
+    plain_tokens, plain_logits = decode_trace(plain.model, prompt, 30)
+
+    bf16 = install_native_decoder(plain.model, "auto")
+    assert bf16 is not None and bf16.form == "bf16"
+    tokens, logits = decode_trace(plain.model, prompt, 30)
+    assert tokens == plain_tokens
+    assert np.abs(logits - plain_logits).max() < LOGIT_TOLERANCE
+
+    int8 = install_native_decoder(plain.model, "int8")
+    assert int8 is not None and int8.form == "int8" and int8.nbytes < bf16.nbytes * 0.6
+    _, logits = decode_trace(plain.model, prompt, 1)
+    difference = np.abs(logits[0] - plain_logits[0]).max()
+    assert 0 < difference < 0.05 * np.abs(plain_logits[0]).max()
+
+
+def test_unsupported_family_and_off_keep_mlx(tiny_model_path) -> None:
+    hybrid = load_model(str(tiny_model_path("qwen3_5")))  # linear attention: not in the kernels
+    assert native_decoder(hybrid.model) is None
+    llama = load_model(str(tiny_model_path("llama")), native_decode="off")
+    assert native_decoder(llama.model) is None
+    with pytest.raises(ValueError, match="REWIND_NATIVE_DECODE"):
+        install_native_decoder(llama.model, "fp8")
+
+
+@pytest.mark.parametrize("form", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_matvec_matches_numpy(form: str, rows: int) -> None:
+    """Odd sizes: output rows not a multiple of the 4-row block, inputs not of the vector width."""
+    kernels = native.load_kernels()
+    rng = np.random.default_rng(rows)
+    out_dim, in_dim = 37, 70
+    weight = rng.standard_normal((out_dim, in_dim)).astype(np.float32)
+    x = rng.standard_normal((rows, in_dim)).astype(np.float32)
+    scale = None
+    if form == "bf16":
+        stored = (weight.view(np.uint32) >> 16).astype(np.uint16)
+        weight = (stored.astype(np.uint32) << 16).view(np.float32)
+    elif form == "int8":
+        scale = (np.abs(weight).max(axis=1) / 127).astype(np.float32)
+        stored = np.round(weight / scale[:, None]).astype(np.int8)
+        weight = stored.astype(np.float32) * scale[:, None]
+    else:
+        stored = weight
+    y = np.empty((rows, out_dim), np.float32)
+    status = kernels.matvec(stored.ctypes.data, None if scale is None else scale.ctypes.data,
+                            native.FORMS[form], x.ctypes.data, y.ctypes.data, out_dim, in_dim,
+                            rows, 2)
+    assert status == 0
+    np.testing.assert_allclose(y, x @ weight.T, rtol=1e-5, atol=1e-4)
+    bad = kernels.matvec(stored.ctypes.data, None, native.FORMS[form], x.ctypes.data,
+                         y.ctypes.data, out_dim, in_dim, 0, 2)
+    assert bad != 0  # no rows is refused, not read out of bounds
+    assert isinstance(kernels, ctypes.CDLL)
