@@ -27,6 +27,7 @@ from rewind.bench.harness import LOOPBACK, ServerProcess
 REPO_ROOT = Path(__file__).resolve().parents[3]
 LLAMA_CPP_VENV = Path(os.environ.get("LLAMA_CPP_VENV", REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
+LLAMA_CPP_WRAPPER = Path(__file__).with_name("llama_cpp_server.py")
 
 SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "mlx-lm", "llama.cpp")
 
@@ -201,7 +202,10 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
         threads = str(os.cpu_count() or 1)
         # llama-cpp-python serves one request at a time (no --parallel); n_ctx defaults to 2048,
         # so it is raised to the same context the others get.
-        argv = [str(llama_cpp_python()), "-m", "llama_cpp.server", "--model", str(model.gguf),
+        # Through llama_cpp_server.py: the chat template of the MLX folder, as the others render
+        # it (the GGUF has none; llama-cpp-python's fallbacks give other prompts: see there).
+        argv = [str(llama_cpp_python()), str(LLAMA_CPP_WRAPPER), str(model.mlx_folder),
+                "--model", str(model.gguf),
                 "--host", LOOPBACK, "--port", str(port), "--n_ctx", str(options.context),
                 "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512"]
         return ServerProcess(name, argv, port, log_path, ready_paths=("/v1/models",),
@@ -217,6 +221,6 @@ def describe_server(name: str) -> str:
         "rewind-ram": "rewind serve --no-disk-cache (everything in RAM), MLX folder",
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "
                   "a float32 copy of the folder, as Rewind's loader computes in float32)",
-        "llama.cpp": "llama-cpp-python[server] on the Q4_K_M GGUF (one request at a time, "
-                     "reuses the previous prompt's prefix)",
+        "llama.cpp": "llama-cpp-python[server] on the Q4_K_M GGUF, with the MLX folder's chat "
+                     "template (one request at a time, reuses the previous prompt's prefix)",
     }.get(name, name)
