@@ -39,6 +39,30 @@ def _version(package: str) -> str | None:
         return None
 
 
+def code_version() -> dict[str, Any]:
+    """Where the `rewind` under test was imported from, and its git commit: the code moves while
+    benchmarks run (they are meant to run from a frozen worktree), so every result says which
+    commit it measured, and whether its src/ had uncommitted changes."""
+    import subprocess
+
+    import rewind
+
+    source = Path(rewind.__file__).resolve().parent
+    info: dict[str, Any] = {"rewind_source": str(source), "rewind_commit": None,
+                            "rewind_src_dirty": None}
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return info
+    if commit.returncode == 0:
+        info["rewind_commit"] = commit.stdout.strip()
+        info["rewind_src_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+    return info
+
+
 def machine_info() -> dict[str, Any]:
     """Facts about this machine and process; call it after the measurement (for the load)."""
     from rewind import blas
@@ -55,6 +79,7 @@ def machine_info() -> dict[str, Any]:
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
+        **code_version(),
     }
     try:
         import mlx.core as mx

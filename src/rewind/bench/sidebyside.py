@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import re
 import shutil
 import signal
 import sys
@@ -180,6 +181,7 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                     "prefill_tps": prefill_tps, "workload_s": time.monotonic() - started,
                     "rss_marks": dict(sampler.marks), "rss_peak": sampler.peak(),
                     "rss_series": [(round(t, 2), rss) for t, rss in sampler.samples],
+                    "code": served_code(server),
                 }
             except ServerStartError as exc:
                 skipped.add(name)
@@ -197,6 +199,19 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             if on_progress is not None:
                 on_progress(records, runs, notes)
     return records, runs, notes
+
+
+def served_code(server: ServerProcess) -> str | None:
+    """Where a Rewind server imported rewind from, read from its log's "loading" line, so a
+    result shows it measured the frozen tree it was meant to (None for the other servers)."""
+    if not server.name.startswith("rewind"):
+        return None
+    try:
+        text = server.log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"\(rewind from ([^)]+)\)", text)
+    return match.group(1) if match else None
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

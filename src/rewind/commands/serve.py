@@ -87,7 +87,11 @@ def run(args: argparse.Namespace) -> int:
     from rewind.models.loader import load_model
     from rewind.server.app import create_app
 
-    print(f"loading {config.model} ...", file=sys.stderr, flush=True)
+    import rewind
+
+    # Which source tree is serving (benchmarks run a frozen worktree and check this line).
+    print(f"loading {config.model} (rewind from {Path(rewind.__file__).resolve().parent}) ...",
+          file=sys.stderr, flush=True)
     loaded = load_model(config.model)
     prompt_cache = build_prompt_cache(loaded, config.engine.cache)
     engine = Engine(loaded, config.engine, prompt_cache).start()
