@@ -1,7 +1,7 @@
 """Build and load rewind/native/cpu_kernels.c: the CPU decode kernels (matvecs, layer work).
 
 Compiled once with the system C compiler into the cache folder, keyed by the source and the
-flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; OpenMP for threads), and loaded
+flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; its own thread pool), and loaded
 with ctypes. `load_kernels()` returns None where that cannot happen (not x86-64 with AVX2, no
 compiler, a failed build): callers then keep MLX's path, which gives the same answers slower.
 """
@@ -23,7 +23,7 @@ from rewind.paths import cache_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "native" / "cpu_kernels.c"
-_BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
+_BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 

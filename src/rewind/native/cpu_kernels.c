@@ -9,11 +9,19 @@
    the KV-cache update and attention, which stay in MLX (rewind.engine.native_decode) so every
    cache class, mask and the prompt cache keep working unchanged.
 
+   Threads: a small pool of its own, not OpenMP. A job is a list of blocks that threads claim
+   from one atomic counter, and a job is done when its blocks are done, not when every thread
+   has checked in: on a busy machine (a benchmark, another server) a descheduled worker then
+   costs nothing, where an OpenMP barrier waits a whole time slice for it at every matvec
+   (measured: decode fell from 27 to 2 tokens/s with one other busy process on 2 cores).
+
    Built at first use by rewind.engine.native with the system C compiler (AVX-512 where the CPU
-   has it, else AVX2) and OpenMP; without a compiler Rewind keeps MLX's path. */
+   has it, else AVX2); without a compiler Rewind keeps MLX's path. */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -111,27 +119,143 @@ DEFINE_BLOCK(3)
 DEFINE_BLOCK(4)
 #endif
 
+
+/* ---- the thread pool ------------------------------------------------------------------------ */
+
+#define MAX_WORKERS 63
+#define SPIN_ROUNDS 20000 /* ~0.1-0.3 ms of pause before a worker sleeps */
+
+typedef void (*BlockFn)(const void *args, int64_t block);
+
+static struct {
+  _Atomic uint64_t claim; /* generation << 32 | next block to claim */
+  _Atomic int64_t done;   /* blocks finished in this generation */
+  BlockFn fn;             /* the current generation's job, written before `claim` moves */
+  const void *args;
+  int64_t blocks;
+  uint32_t generation;
+  int workers;
+  int sleepers;
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  pthread_mutex_t run_lock; /* one job at a time (callers are one engine thread anyway) */
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
+          .run_lock = PTHREAD_MUTEX_INITIALIZER};
+
+static inline uint32_t gen_of(uint64_t claim) { return (uint32_t)(claim >> 32); }
+
+/* Claim and run blocks of generation `gen` until none is left. A claim succeeds only while the
+   counter still holds `gen`, so the job fields read before it belong to `gen`: the next job is
+   written only after every block of this one is done. */
+static void work(uint32_t gen) {
+  for (;;) {
+    uint64_t claim = atomic_load_explicit(&pool.claim, memory_order_acquire);
+    if (gen_of(claim) != gen) return;
+    BlockFn fn = pool.fn;
+    const void *args = pool.args;
+    int64_t blocks = pool.blocks, block = (int64_t)(uint32_t)claim;
+    if (block >= blocks) return;
+    if (!atomic_compare_exchange_weak_explicit(&pool.claim, &claim, claim + 1,
+                                               memory_order_acq_rel, memory_order_acquire))
+      continue;
+    fn(args, block);
+    atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+  }
+}
+
+static void *worker_main(void *unused) {
+  (void)unused;
+  uint32_t seen = 0;
+  for (;;) {
+    uint64_t claim;
+    int spins = 0;
+    while (gen_of(claim = atomic_load_explicit(&pool.claim, memory_order_acquire)) == seen) {
+      if (++spins < SPIN_ROUNDS) {
+        _mm_pause();
+        continue;
+      }
+      pthread_mutex_lock(&pool.lock);
+      pool.sleepers++;
+      while (gen_of(atomic_load_explicit(&pool.claim, memory_order_acquire)) == seen)
+        pthread_cond_wait(&pool.wake, &pool.lock);
+      pool.sleepers--;
+      pthread_mutex_unlock(&pool.lock);
+      spins = 0;
+    }
+    seen = gen_of(claim);
+    work(seen);
+  }
+  return NULL;
+}
+
+static void ensure_workers(int wanted) {
+  if (wanted > MAX_WORKERS) wanted = MAX_WORKERS;
+  while (pool.workers < wanted) {
+    pthread_t id;
+    if (pthread_create(&id, NULL, worker_main, NULL) != 0) return; /* fewer threads, still correct */
+    pthread_detach(id);
+    pool.workers++;
+  }
+}
+
+/* fn(args, b) for b in [0, blocks), spread over up to `threads` threads (the caller is one). */
+static void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads) {
+  if (threads <= 1 || blocks <= 1) {
+    for (int64_t b = 0; b < blocks; ++b) fn(args, b);
+    return;
+  }
+  pthread_mutex_lock(&pool.run_lock);
+  ensure_workers(threads - 1);
+  pool.fn = fn;
+  pool.args = args;
+  pool.blocks = blocks;
+  atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+  uint32_t gen = ++pool.generation;
+  atomic_store_explicit(&pool.claim, (uint64_t)gen << 32, memory_order_release);
+  pthread_mutex_lock(&pool.lock);
+  if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+  pthread_mutex_unlock(&pool.lock);
+  work(gen);
+  /* Only blocks already claimed by a worker are left: wait for those, yielding now and then
+     in case that worker shares this core. */
+  for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < blocks; ++spins) {
+    if (spins % 64 == 63) sched_yield(); else _mm_pause();
+  }
+  pthread_mutex_unlock(&pool.run_lock);
+}
+
+typedef struct {
+  const void *W; const float *scale; int form; const float *x; float *y;
+  int64_t out, in, m;
+} MatvecJob;
+
+#define ROWS_PER_CLAIM 64 /* output rows per claimed block: a multiple of RB */
+
+static void matvec_block(const void *arg, int64_t claim) {
+  const MatvecJob *j = (const MatvecJob *)arg;
+  int64_t end = (claim + 1) * ROWS_PER_CLAIM < j->out ? (claim + 1) * ROWS_PER_CLAIM : j->out;
+  for (int64_t o0 = claim * ROWS_PER_CLAIM; o0 < end; o0 += RB) {
+    int64_t nr = end - o0 < RB ? end - o0 : RB;
+    for (int64_t r0 = 0; r0 < j->m; r0 += XG) {
+      switch (j->m - r0 < XG ? j->m - r0 : XG) {
+        case 1: block_1(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
+        case 2: block_2(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
+#if XG >= 4
+        case 3: block_3(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
+        case 4: block_4(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
+#endif
+      }
+    }
+  }
+}
+
 /* y[r][o] = scale[o] * sum_k W[o][k] x[r][k]; W [out, in] row-major in `form`; x [m, in],
    y [m, out] float32. Output rows are split across `threads`. */
 int matvec(const void *W, const float *scale, int form, const float *x, float *y, int64_t out,
            int64_t in, int64_t m, int threads) {
   if (m < 1 || out < 1 || in < 1) return -1;
-  if (threads < 1) threads = 1;
-  int64_t blocks = (out + RB - 1) / RB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
-    int64_t o0 = b * RB, nr = out - o0 < RB ? out - o0 : RB;
-    for (int64_t r0 = 0; r0 < m; r0 += XG) {
-      switch (m - r0 < XG ? m - r0 : XG) {
-        case 1: block_1(W, scale, form, x, y, o0, nr, in, out, r0); break;
-        case 2: block_2(W, scale, form, x, y, o0, nr, in, out, r0); break;
-#if XG >= 4
-        case 3: block_3(W, scale, form, x, y, o0, nr, in, out, r0); break;
-        case 4: block_4(W, scale, form, x, y, o0, nr, in, out, r0); break;
-#endif
-      }
-    }
-  }
+  MatvecJob job = {W, scale, form, x, y, out, in, m};
+  run_blocks(matvec_block, &job, (out + ROWS_PER_CLAIM - 1) / ROWS_PER_CLAIM, threads);
   return 0;
 }
 
