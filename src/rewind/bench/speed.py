@@ -1,6 +1,7 @@
 """Prefill and decode tokens/s of one model: Rewind's path vs plain mlx-lm, side by side.
 
-Rewind: rewind.models.loader.load_model (float32 on CPU, bf16/int8 decode head) and
+Rewind: rewind.models.loader.load_model (float32 on CPU, decode through the CPU kernels with bf16
+layers and a bf16/int8 head) and
 rewind.engine.single.generate_tokens (chunked prefill, logits for the last position only).
 mlx-lm: mlx_lm.load + mlx_lm.generate.stream_generate on the same folder, as stored, and (with
 `--mlx-lm-float32`) with its weights cast to float32, the fastest plain-mlx-lm form on a CPU.
@@ -34,6 +35,15 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="Rewind's CPU decode head (default: the loader's, REWIND_CPU_HEAD)")
     parser.add_argument("--also-int8-head", action="store_true",
                         help="also measure Rewind with the int8 CPU decode head")
+    parser.add_argument("--native-decode", default=None,
+                        choices=["auto", "bf16", "f32", "int8", "off"],
+                        help="Rewind's CPU decode kernels for the layers (default: the loader's, "
+                             "REWIND_NATIVE_DECODE)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also measure llama.cpp (llama-cpp-python, scripts/install-llama-cpp.sh)"
+                             " on the GGUF the model came from")
+    parser.add_argument("--also-mlx-layers", action="store_true",
+                        help="also measure Rewind with the layers in MLX (decode kernels off)")
     parser.add_argument("--head-perplexity", type=Path, default=None, metavar="TEXT_FILE",
                         help="also report perplexity on this text with each decode-head form")
 
@@ -47,14 +57,15 @@ def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
 
 
 def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
-                   cpu_head: str | None) -> dict[str, Any]:
+                   cpu_head: str | None, native_decode: str | None = None) -> dict[str, Any]:
     import mlx.core as mx
 
     from rewind.engine.fast_head import fast_head
+    from rewind.engine.native_decode import native_decoder
     from rewind.engine.single import generate_tokens
     from rewind.models.loader import load_model
 
-    loaded = load_model(model_name, cpu_head=cpu_head)
+    loaded = load_model(model_name, cpu_head=cpu_head, native_decode=native_decode)
     model = loaded.model
     for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
         pass
@@ -65,8 +76,11 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     produced = 1 + sum(1 for _ in stream)
     end, cpu_end = time.perf_counter(), time.process_time()
     head = fast_head(model)
+    decoder = native_decoder(model)
+    variant = [f"{cpu_head} head"] if cpu_head not in (None, "auto") else []
+    variant += [f"{native_decode} layers"] if native_decode not in (None, "auto") else []
     result = {
-        "path": "rewind" if cpu_head in (None, "auto") else f"rewind ({cpu_head} head)",
+        "path": "rewind" + (f" ({', '.join(variant)})" if variant else ""),
         "prefill_tps": len(tokens) / (first - start),
         "decode_tps": (produced - 1) / (end - first) if produced > 1 else None,
         "generated": produced,
@@ -74,6 +88,7 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
         "decode_cpu_s": cpu_end - cpu_first,
         "compute_dtype": str(next(iter(_float_dtypes(model)), "")),
         "decode_head": head.form if head is not None else "mlx",
+        "decode_layers": decoder.form if decoder is not None else "mlx",
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "model_path": str(loaded.path),
     }
@@ -115,7 +130,7 @@ def head_perplexities(model_name: str, text: str) -> dict[str, float]:
 def load_model_off(model_name: str) -> Any:
     from rewind.models.loader import load_model
 
-    return load_model(model_name, cpu_head="off")
+    return load_model(model_name, cpu_head="off", native_decode="off")
 
 
 def _float_dtypes(model: Any) -> set[Any]:
@@ -153,11 +168,52 @@ def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool
         "decode_cpu_s": cpu_end - cpu_first,
         "compute_dtype": ",".join(stored),
         "decode_head": "mlx",
+        "decode_layers": "mlx",
         "peak_memory_gb": last.peak_memory,
         "model_path": str(path),
     }
     del model, tokenizer
     return result
+
+
+def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int) -> dict[str, Any]:
+    """llama.cpp's row, run in its own venv (rewind.bench.servers.LLAMA_CPP_VENV)."""
+    import os
+    import subprocess
+
+    from rewind.bench.servers import llama_cpp_installed, llama_cpp_python, resolve_model_files
+
+    gguf = resolve_model_files(model_name).gguf
+    if gguf is None or not llama_cpp_installed():
+        raise SystemExit("--llama-cpp needs the model's GGUF and llama-cpp-python "
+                         "(bash scripts/install-llama-cpp.sh)")
+    script = Path(__file__).with_name("llama_cpp_speed.py")
+    threads = str(os.cpu_count() or 1)
+    cpu_start = _children_cpu()
+    done = subprocess.run([str(llama_cpp_python()), str(script), str(gguf), str(prompt_count),
+                           str(gen_tokens), threads], capture_output=True, text=True, check=True)
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "path": "llama.cpp",
+        "prefill_tps": measured["prefill_tps"],
+        "decode_tps": measured["decode_tps"],
+        "generated": measured["generated"],
+        "prefill_cpu_s": None,  # one child process for both phases: only its total is known
+        "decode_cpu_s": None,
+        "total_cpu_s": _children_cpu() - cpu_start,
+        "compute_dtype": "GGUF Q4_K_M (its own kernels)",
+        "decode_head": "gguf",
+        "decode_layers": "gguf",
+        "peak_memory_gb": None,
+        "model_path": str(gguf),
+    }
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -174,14 +230,15 @@ def markdown(report: dict[str, Any]) -> str:
         "the CPU seconds say how much work each path does, whatever else is running.",
         "",
         "| path | prefill tok/s | decode tok/s | prefill CPU s | decode CPU s | compute dtype "
-        "| decode head | peak GB |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+        "| decode layers | decode head | peak GB |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |",
     ]
     for row in report["rows"]:
         decode = f"{row['decode_tps']:.1f}" if row["decode_tps"] else "n/a"
         lines.append(f"| {row['path']} | {row['prefill_tps']:.1f} | {decode} | "
-                     f"{row['prefill_cpu_s']:.1f} | {row['decode_cpu_s']:.1f} | "
-                     f"{row['compute_dtype']} | {row['decode_head']} | {row['peak_memory_gb']:.2f} |")
+                     f"{_number(row['prefill_cpu_s'], 1)} | {_number(row['decode_cpu_s'], 1)} | "
+                     f"{row['compute_dtype']} | {row.get('decode_layers', 'mlx')} | "
+                     f"{row['decode_head']} | {_number(row['peak_memory_gb'], 2)} |")
     if "head_perplexity" in report:
         perplexity = dict(report["head_perplexity"])
         text = perplexity.pop("text")
@@ -204,13 +261,16 @@ def run(args: argparse.Namespace) -> int:
     tokens = prompt_tokens(args.prompt_tokens, vocab)
     rows = []
     print(blas.status())
-    rows.append(measure_rewind(args.model, tokens, args.gen_tokens, args.cpu_head))
-    _print_row(rows[-1])
+    variants = [(args.cpu_head, args.native_decode)]
     if args.also_int8_head:
+        variants.append(("int8", args.native_decode))
+    if args.also_mlx_layers:
+        variants.append((args.cpu_head, "off"))
+    for cpu_head, native_decode in variants:
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
-        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, "int8"))
+        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, cpu_head, native_decode))
         _print_row(rows[-1])
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:
@@ -218,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
         mx.clear_cache()
         mx.reset_peak_memory()
         rows.append(measure_mlx_lm(path, tokens, args.gen_tokens, float32))
+        _print_row(rows[-1])
+    if args.llama_cpp:
+        rows.append(measure_llama_cpp(args.model, args.prompt_tokens, args.gen_tokens))
         _print_row(rows[-1])
     openblas = blas.openblas_active()
     out = args.json or RESULTS / ("speed.json" if openblas else "speed-no-openblas.json")
@@ -242,7 +305,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def _print_row(row: dict[str, Any]) -> None:
     decode = f"{row['decode_tps']:7.1f}" if row["decode_tps"] else "    n/a"
     print(f"{row['path']:<18} prefill {row['prefill_tps']:7.1f} tok/s   decode {decode} tok/s   "
-          f"({row['compute_dtype']}, head {row['decode_head']})", flush=True)
+          f"({row['compute_dtype']}, layers {row.get('decode_layers', 'mlx')}, "
+          f"head {row['decode_head']})", flush=True)
