@@ -110,7 +110,7 @@ def build_vision_folder(config: dict[str, Any], out_dir: Path, seed: int = SEED,
     from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
     from mlx_vlm.models.gemma3.vision import VisionModel
 
-    from rewind.vision.vlm import gemma3_vlm_config
+    from rewind.vision.gemma3 import gemma3_vlm_config
 
     mx.random.seed(seed)
     weights: dict[str, Any] = {}

@@ -1,15 +1,25 @@
 """Vision models through mlx-vlm: the tower and projector, and the adapter that turns a prompt
-with image placeholders plus its images into the input embeddings of the language model.
+with image placeholders plus its images into the input embeddings (and, for Qwen-VL-style
+models, the rotary positions) of the language model.
 
 Only the vision side comes from mlx-vlm. The language model is the one the engine already runs
-(mlx-lm's class for the same folder: mlx-lm's `gemma3` keeps `language_model.*` and drops the
-tower), with its normal mlx-lm caches, so an image prompt is prefilled, cached, restored and
-batched exactly like a text prompt; only its prefill chunks take embeddings instead of token ids.
+(mlx-lm's class for the same folder, which drops the tower), with its normal mlx-lm caches, so an
+image prompt is prefilled, cached, restored and batched exactly like a text prompt; only its
+prefill chunks take embeddings instead of token ids (and explicit positions where the family
+needs them).
 
-Supported family: Gemma 3 (SigLIP tower, a fixed number of image tokens per image; the language
-model has sliding-window and global layers, which the prompt cache handles). Families whose
-language model needs more than embeddings for an image (Qwen2-VL's 3-D rotary positions) are
-refused with a clear error rather than run wrongly.
+A family is a small adapter chosen by `model_type` (`VisionFamily`): it loads the tower and
+projector, says which tokens an image expands into, preprocesses pixels, runs the tower, and maps
+features to input embeddings. Supported families:
+
+- Gemma 3 (rewind.vision.gemma3): SigLIP tower, 256 image tokens per image (a fixed count);
+  sliding-window and global layers, which the prompt cache handles.
+- Qwen2-VL and Qwen2.5-VL (rewind.vision.qwen_vl): a dynamic-resolution ViT whose token count
+  follows the image's size, and a language model with 3-D multimodal rotary positions: see
+  rewind.vision.qwen_vl for how those reach mlx-lm's language model.
+
+Other vision folders are refused with an error that names these (`VisionUnavailableError`);
+their text path still works.
 
 Threads: `VisionPrompt` and `preprocess` are plain Python/NumPy (built on a server thread);
 `features` and the embedding function run on the engine thread, the only one that creates or
@@ -18,6 +28,7 @@ evaluates MLX arrays for the model.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +40,8 @@ import numpy as np
 from rewind.vision.features import FeatureLRU
 from rewind.vision.images import DecodedImage, ImageError
 
-SUPPORTED_MODEL_TYPES = ("gemma3",)
-
 EmbedFn = Callable[[int, int], Any]  # (start, end) -> input embeddings [1, end - start, hidden]
+PositionsFn = Callable[[int, int], Any]  # (start, end) -> rotary positions [3, 1, end - start]
 
 
 class VisionUnavailableError(RuntimeError):
@@ -42,15 +52,19 @@ def is_vision_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), dict) and bool(config["vision_config"])
 
 
-def gemma3_vlm_config(config: dict[str, Any]) -> Any:
-    """mlx-vlm's Gemma 3 ModelConfig with its nested text and vision configs built, as
-    mlx_vlm.utils.load_model does."""
-    from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
+def vlm_model_config(config: dict[str, Any]) -> Any:
+    """mlx-vlm's ModelConfig for a folder's config.json, with its nested text and vision configs
+    built as mlx_vlm.utils.load_model builds them."""
+    import importlib
 
-    model_config = ModelConfig.from_dict(config)
-    model_config.text_config = TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = VisionConfig.from_dict(config["vision_config"])
-    return model_config
+    from mlx_vlm.utils import update_module_configs
+
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    config = json.loads(json.dumps(config))  # from_dict may change what it is given
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = module.ModelConfig.from_dict(config)
+    return update_module_configs(model_config, module, config, ["text", "vision"])
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,17 @@ class ImageSpan:
     start: int
     end: int
     image: DecodedImage
+    grid: tuple[int, int, int] | None = None  # (t, h, w) image tokens, for 3-D positions
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """What one image placeholder becomes: `before`, `count` image tokens, then `after`."""
+
+    before: list[int]
+    count: int
+    after: list[int]
+    grid: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -70,6 +95,8 @@ class VisionPrompt:
     spans: list[ImageSpan]
     # (old position, added tokens) for each expanded placeholder, to move checkpoint positions.
     shifts: list[tuple[int, int]] = field(default_factory=list)
+    # Families with multimodal rotary positions: [3, len(tokens)] int32; None: 1-D positions.
+    positions: np.ndarray | None = None
 
     @property
     def image_hashes(self) -> list[tuple[int, int, bytes]]:
@@ -80,152 +107,194 @@ class VisionPrompt:
     def image_tokens(self) -> int:
         return sum(span.end - span.start for span in self.spans)
 
+    @property
+    def position_delta(self) -> int:
+        """Token i >= len(tokens) (the answer) sits at position i + position_delta."""
+        if self.positions is None or not self.tokens:
+            return 0
+        return int(self.positions[:, -1].max()) + 1 - len(self.tokens)
+
     def position(self, old: int) -> int:
         """A position in the unexpanded prompt -> the same place in the expanded one."""
         return old + sum(added for at, added in self.shifts if at < old)
 
 
-@dataclass(frozen=True)
-class Preprocessing:
-    size: tuple[int, int]  # (height, width)
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    rescale: float
-    resample: int  # PIL resampling filter id
+def image_size(image: DecodedImage) -> tuple[int, int]:
+    """(width, height), from the header alone for an image kept undecoded."""
+    if image.pixels is not None:
+        return image.pixels.size
+    from PIL import Image
 
-    @classmethod
-    def from_folder(cls, path: Path, image_size: int) -> "Preprocessing":
-        """preprocessor_config.json when present, else SigLIP's defaults for Gemma 3."""
-        values: dict[str, Any] = {}
-        config_file = path / "preprocessor_config.json"
-        if config_file.exists():
-            values = json.loads(config_file.read_text())
-        size = values.get("size") or {}
-        return cls(
-            size=(int(size.get("height", image_size)), int(size.get("width", image_size))),
-            mean=tuple(values.get("image_mean", (0.5, 0.5, 0.5))),
-            std=tuple(values.get("image_std", (0.5, 0.5, 0.5))),
-            rescale=float(values.get("rescale_factor", 1 / 255)),
-            resample=int(values.get("resample", 2)),  # 2 = bilinear
-        )
+    with Image.open(io.BytesIO(image.data)) as probe:
+        return probe.size
+
+
+class VisionFamily:
+    """One family's vision side. Subclasses set the class attributes and the token ids, and
+    implement `_load`, `layout`, `preprocess` and `encode`."""
+
+    name = ""
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, path: Path, config: dict[str, Any], dtype: Any, tokenizer: Any) -> None:
+        self.path = Path(path)
+        self.config = config
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.placeholder_id: int = -1  # marks an image in an unexpanded prompt
+        self.image_token_id: int = -1  # fills an image span
+
+    # caller's thread: plain data
+    def layout(self, image: DecodedImage) -> ImageLayout:
+        raise NotImplementedError
+
+    def preprocess(self, image: DecodedImage) -> Any:
+        raise NotImplementedError
+
+    def positions(self, tokens: Sequence[int], spans: Sequence[ImageSpan]) -> np.ndarray | None:
+        """Rotary positions [3, len(tokens)] for families with 3-D positions; None otherwise."""
+        return None
+
+    # engine thread: MLX
+    def encode(self, pixels: Any) -> Any:
+        """Tower (+ projector) output for one preprocessed image: [image tokens, hidden]."""
+        raise NotImplementedError
+
+    def to_embeddings(self, features: Any) -> Any:
+        """Features as the language model's input embeddings (the LRU keeps `features`)."""
+        return features
+
+    def prepare_language_model(self, model: Any) -> None:
+        """Adjust the language model the engine runs, once (e.g. multimodal rotary positions)."""
+
+    # shared loading
+    def load_weights(self, prefixes: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The folder's weights under each prefix (prefix stripped); refuses quantized towers."""
+        import mlx.core as mx
+
+        found: dict[str, dict[str, Any]] = {prefix: {} for prefix in prefixes}
+        for weight_file in sorted(self.path.glob("*.safetensors")):
+            for name, value in mx.load(str(weight_file)).items():
+                for prefix in prefixes:
+                    if name.startswith(prefix):
+                        found[prefix][name[len(prefix):]] = value
+        if not found[prefixes[0]]:
+            raise VisionUnavailableError(f"{self.path} has no {prefixes[0]}* weights")
+        if any(name.endswith(".scales") for weights in found.values() for name in weights):
+            raise VisionUnavailableError("quantized vision towers are not supported; convert "
+                                         "the model with its vision tower unquantized")
+        return found
+
+    def finish_modules(self, *modules: Any) -> None:
+        """Cast to the compute dtype and evaluate."""
+        import mlx.core as mx
+        from mlx.utils import tree_map
+
+        for module in modules:
+            module.update(tree_map(lambda v: v.astype(self.dtype)
+                                   if mx.issubdtype(v.dtype, mx.floating) else v,
+                                   module.parameters()))
+            mx.eval(module.parameters())
+
+
+def families() -> list[type[VisionFamily]]:
+    from rewind.vision.gemma3 import Gemma3Vision
+
+    return [Gemma3Vision]
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(t for family in families() for t in family.model_types)
+
+
+def family_for(model_type: Any) -> type[VisionFamily]:
+    for family in families():
+        if model_type in family.model_types:
+            return family
+    names = "; ".join(f"{f.name} ({', '.join(f.model_types)})" for f in families())
+    raise VisionUnavailableError(
+        f"vision model type {model_type!r} is not supported (supported: {names}); its text "
+        "path still works without images")
 
 
 class VisionAdapter:
-    """One vision model folder's tower + projector, its prompt expansion, and feature reuse."""
+    """One vision model folder's family (tower, projector, prompt expansion) and feature reuse.
+
+    Attributes the family defines (Gemma 3's `boi_token_id`, `newline_ids`, `tokens_per_image`,
+    `preprocessing`, ...) are read through the adapter."""
 
     def __init__(self, path: Path, config: dict[str, Any], dtype: Any,
-                 features: FeatureLRU | None = None) -> None:
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise VisionUnavailableError(
-                f"vision model type {model_type!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}); its text path still works without images")
+                 features: FeatureLRU | None = None, tokenizer: Any = None) -> None:
+        family_class = family_for(config.get("model_type"))
         try:
             import mlx_vlm  # noqa: F401
         except ImportError as exc:
             raise VisionUnavailableError(
                 "this is a vision model but mlx-vlm is not installed: pip install "
                 "'rewind-engine[vision]' (text requests work without it)") from exc
+        self.family = family_class(Path(path), config, dtype, tokenizer)
         self.path = Path(path)
         self.config = config
         self.dtype = dtype
         self.feature_cache = features if features is not None else FeatureLRU()
-        self.model_config = gemma3_vlm_config(config)
-        text = config["text_config"]
-        self.hidden_size = int(text["hidden_size"])
-        self.tokens_per_image = int(text.get("mm_tokens_per_image",
-                                             config.get("mm_tokens_per_image", 256)))
-        self.image_token_id = int(config["image_token_index"])
-        self.boi_token_id = int(config["boi_token_index"])
-        self.eoi_token_id = int(config["eoi_token_index"])
-        self.preprocessing = Preprocessing.from_folder(self.path,
-                                                       self.model_config.vision_config.image_size)
-        self.tower, self.projector = self._load_modules()
-        # Gemma 3's processor puts "\n\n" on each side of an image; set from the tokenizer.
-        self.newline_ids: list[int] = []
         self.tower_runs = 0  # how many images went through the tower (the rest came from the LRU)
 
-    # ---- loading ---------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name == "family":  # not set yet (failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.family, name)
 
-    def _load_modules(self) -> tuple[Any, Any]:
-        import mlx.core as mx
-        from mlx.utils import tree_map
-        from mlx_vlm.models.gemma3.gemma3 import Gemma3MultiModalProjector
-        from mlx_vlm.models.gemma3.vision import VisionModel
+    @property
+    def placeholder_id(self) -> int:
+        return self.family.placeholder_id
 
-        tower = VisionModel(self.model_config.vision_config)
-        projector = Gemma3MultiModalProjector(self.model_config)
-        tower_weights: dict[str, Any] = {}
-        projector_weights: dict[str, Any] = {}
-        for weight_file in sorted(self.path.glob("*.safetensors")):
-            for name, value in mx.load(str(weight_file)).items():
-                if name.startswith("vision_tower."):
-                    tower_weights[name[len("vision_tower."):]] = value
-                elif name.startswith("multi_modal_projector."):
-                    projector_weights[name[len("multi_modal_projector."):]] = value
-        if not tower_weights:
-            raise VisionUnavailableError(f"{self.path} has no vision_tower.* weights")
-        if any(name.endswith(".scales") for name in [*tower_weights, *projector_weights]):
-            raise VisionUnavailableError("quantized vision towers are not supported; convert "
-                                         "the model with its vision tower unquantized")
-        tower.load_weights(list(tower.sanitize(tower_weights).items()), strict=True)
-        projector.load_weights(list(projector_weights.items()), strict=True)
-        for module in (tower, projector):
-            module.update(tree_map(lambda v: v.astype(self.dtype)
-                                   if mx.issubdtype(v.dtype, mx.floating) else v,
-                                   module.parameters()))
-            mx.eval(module.parameters())
-        return tower, projector
+    @property
+    def image_token_id(self) -> int:
+        return self.family.image_token_id
 
     # ---- caller's thread: plain data ---------------------------------------------------------
 
     def expand(self, tokens: Sequence[int], images: Sequence[DecodedImage]) -> VisionPrompt:
-        """Replace each image placeholder (the begin-of-image token) with the model's full image
-        sequence: [newline] BOI, tokens_per_image image tokens, EOI [newline], as Gemma 3's
-        processor does. The i-th placeholder takes the i-th image."""
-        placeholders = sum(1 for t in tokens if t == self.boi_token_id)
+        """Replace each image placeholder with the family's image sequence (tokens before, the
+        image tokens, tokens after). The i-th placeholder takes the i-th image."""
+        placeholder = self.family.placeholder_id
+        placeholders = sum(1 for t in tokens if t == placeholder)
         if placeholders != len(images):
             raise ImageError(f"the prompt has {placeholders} image placeholder(s) but "
                              f"{len(images)} image(s) were sent")
-        if any(t == self.image_token_id for t in tokens):
+        if any(t == self.family.image_token_id for t in tokens):
             raise ImageError("the prompt contains the model's image token as text")
         out: list[int] = []
         spans: list[ImageSpan] = []
         shifts: list[tuple[int, int]] = []
         index = 0
         for position, token in enumerate(tokens):
-            if token != self.boi_token_id:
+            if token != placeholder:
                 out.append(token)
                 continue
+            layout = self.family.layout(images[index])
             before = len(out)
-            out.extend(self.newline_ids)
-            out.append(self.boi_token_id)
+            out.extend(layout.before)
             start = len(out)
-            out.extend([self.image_token_id] * self.tokens_per_image)
-            spans.append(ImageSpan(start, len(out), images[index]))
-            out.append(self.eoi_token_id)
-            out.extend(self.newline_ids)
+            out.extend([self.family.image_token_id] * layout.count)
+            spans.append(ImageSpan(start, len(out), images[index], layout.grid))
+            out.extend(layout.after)
             shifts.append((position, len(out) - before - 1))
             index += 1
-        return VisionPrompt(out, spans, shifts)
+        return VisionPrompt(out, spans, shifts, self.family.positions(out, spans))
 
     def known_image(self, sha256: bytes) -> bool:
         """True while this image's tower output is kept (its bytes need no decoding)."""
         return sha256 in self.feature_cache
 
-    def preprocess(self, image: DecodedImage) -> np.ndarray:
-        """RGB pixels -> the tower's input [H, W, 3] float32 (resized, rescaled, normalized)."""
-        height, width = self.preprocessing.size
-        resized = image.rgb().resize((width, height), resample=self.preprocessing.resample)
-        pixels = np.asarray(resized, dtype=np.float32) * self.preprocessing.rescale
-        mean = np.asarray(self.preprocessing.mean, dtype=np.float32)
-        std = np.asarray(self.preprocessing.std, dtype=np.float32)
-        return (pixels - mean) / std
+    def preprocess(self, image: DecodedImage) -> Any:
+        """Pixels -> the tower's input (NumPy; the family's layout)."""
+        return self.family.preprocess(image)
 
     # ---- engine thread: MLX -----------------------------------------------------------------
 
-    def features(self, image: DecodedImage, pixels: np.ndarray | None = None) -> Any:
-        """The projected tower output [tokens_per_image, hidden] of one image, from the LRU when
+    def features(self, image: DecodedImage, pixels: Any = None) -> Any:
+        """The tower (+ projector) output [image tokens, hidden] of one image, from the LRU when
         the same bytes were seen before."""
         import mlx.core as mx
 
@@ -234,33 +303,31 @@ class VisionAdapter:
             return cached
         if pixels is None:
             pixels = self.preprocess(image)
-        hidden, _, _ = self.tower(mx.array(pixels[None]).astype(self.dtype),
-                                  output_hidden_states=True)
-        projected = self.projector(hidden)[0]
+        projected = self.family.encode(pixels)
         mx.eval(projected)
         self.tower_runs += 1
         self.feature_cache.put(image.sha256, projected)
         return projected
 
     def embedder(self, prompt: VisionPrompt, embed_tokens: Callable[[Any], Any],
-                 pixels: Sequence[np.ndarray] | None = None) -> EmbedFn:
+                 pixels: Sequence[Any] | None = None) -> EmbedFn:
         """(start, end) -> input embeddings of prompt positions [start, end) for the language
         model: token embeddings, with each image span's positions taken from its image's
         features. Any [start, end) works, including one that starts or ends inside an image span
         (a prompt-cache restore may stop there), because a span's features are sliced by offset.
-
-        The values are those mlx-vlm's Gemma 3 builds: features divided by sqrt(hidden), since
-        the language model multiplies every input embedding by sqrt(hidden)."""
+        """
         import mlx.core as mx
 
-        scale = self.hidden_size ** 0.5
         per_image: dict[int, Any] = {}
 
-        def scaled_features(index: int) -> Any:
+        def image_embeddings(index: int) -> Any:
             if index not in per_image:
                 span = prompt.spans[index]
                 raw = self.features(span.image, None if pixels is None else pixels[index])
-                per_image[index] = raw / scale
+                if raw.shape[0] != span.end - span.start:
+                    raise ValueError(f"image {index} gave {raw.shape[0]} features for a span of "
+                                     f"{span.end - span.start} tokens")
+                per_image[index] = self.family.to_embeddings(raw)
             return per_image[index]
 
         def embed(start: int, end: int) -> Any:
@@ -269,15 +336,29 @@ class VisionAdapter:
                 lo, hi = max(span.start, start), min(span.end, end)
                 if lo >= hi:
                     continue
-                piece = scaled_features(index)[lo - span.start:hi - span.start]
+                piece = image_embeddings(index)[lo - span.start:hi - span.start]
                 hidden[:, lo - start:hi - start, :] = piece.astype(hidden.dtype)
             return hidden
 
         return embed
 
+    def positioner(self, prompt: VisionPrompt) -> PositionsFn | None:
+        """(start, end) -> rotary positions [3, 1, end - start] of those prompt tokens, for
+        families with 3-D positions; None for the others."""
+        if prompt.positions is None:
+            return None
+        positions = prompt.positions
+
+        def at(start: int, end: int) -> Any:
+            import mlx.core as mx
+
+            return mx.array(positions[:, None, start:end])
+
+        return at
+
 
 def text_embeddings(model: Any) -> Callable[[Any], Any]:
-    """The language model's token embedding layer (mlx-lm's gemma3 keeps it under
+    """The language model's token embedding layer (mlx-lm's vision-folder classes keep it under
     language_model.model)."""
     inner = getattr(model, "language_model", model)
     return inner.model.embed_tokens
@@ -289,16 +370,18 @@ def load_vision_adapter(path: Path, config: dict[str, Any], dtype: Any, tokenize
     if not is_vision_config(config):
         return None
     features = FeatureLRU(feature_budget_bytes) if feature_budget_bytes else FeatureLRU()
-    adapter = VisionAdapter(path, config, dtype, features)
-    if tokenizer is not None:
-        adapter.newline_ids = list(tokenizer.encode("\n\n", add_special_tokens=False))
-    return adapter
+    return VisionAdapter(path, config, dtype, features, tokenizer)
 
 
 def adapter_for(loaded: Any, feature_budget_bytes: int | None = None) -> VisionAdapter | None:
-    """The adapter for a rewind LoadedModel (its folder, config, compute dtype and tokenizer)."""
+    """The adapter for a rewind LoadedModel (its folder, config, compute dtype and tokenizer).
+    Prepares the loaded language model for image prompts where the family needs it (Qwen-VL's
+    multimodal rotary positions)."""
     if not is_vision_config(loaded.config):
         return None
     embed = text_embeddings(loaded.model)
-    return load_vision_adapter(loaded.path, loaded.config, embed.weight.dtype, loaded.tokenizer,
-                               feature_budget_bytes)
+    adapter = load_vision_adapter(loaded.path, loaded.config, embed.weight.dtype, loaded.tokenizer,
+                                  feature_budget_bytes)
+    if adapter is not None:
+        adapter.family.prepare_language_model(loaded.model)
+    return adapter
