@@ -82,6 +82,12 @@ class GenerationRequest:
     # of prompt positions [start, end), called on the engine thread for each prefill chunk in
     # place of the token ids. Decode never uses it. None: a text prompt.
     embed: Callable[[int, int], Any] | None = None
+    # Models with 3-D rotary positions (Qwen-VL image prompts, rewind.engine.positions):
+    # positions(start, end) -> [3, 1, end - start] position ids of those prompt tokens, and the
+    # position of generated token i (its index in prompt + answer) is i + position_delta.
+    # None: positions are the token indices.
+    positions: Callable[[int, int], Any] | None = None
+    position_delta: int = 0
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
 
 

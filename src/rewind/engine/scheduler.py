@@ -21,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.config import BLOCK_TOKENS, EngineConfig
 from rewind.engine.forward import last_logits, prefill
+from rewind.engine.positions import given_positions, takes_positions
 from rewind.engine.request import (
     FinishEvent,
     FinishReason,
@@ -227,14 +228,19 @@ class Scheduler:
                 chunk = mx.array([seq.prompt[start:end]])
                 # Image prompts: this chunk's input embeddings (image features in image spans).
                 embeds = None if seq.request.embed is None else seq.request.embed(start, end)
+                # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions).
+                positions = (None if seq.request.positions is None
+                             else seq.request.positions(start, end))
                 if end == total:
-                    logits = last_logits(self.model, chunk, seq.cache, embeds)
+                    with given_positions(self.model, positions):
+                        logits = last_logits(self.model, chunk, seq.cache, embeds)
                     mx.eval(logits, [c.state for c in seq.cache])
                     seq.prefilled = end
                     self.counters.prefilled_tokens += end - start
                     sampled = sample_rows([seq.sampler], logits)[0]
                     break
-                prefill(self.model, chunk, seq.cache, embeds)
+                with given_positions(self.model, positions):
+                    prefill(self.model, chunk, seq.cache, embeds)
                 seq.prefilled = end
                 self.counters.prefilled_tokens += end - start
                 self._checkpoint(seq, seq.prompt[:end], seq.cache)
@@ -289,7 +295,8 @@ class Scheduler:
     def _decode_step(self) -> None:
         try:
             inputs = mx.array([[s.next_input] for s in self.decoding])
-            logits = last_logits(self.model, inputs, self.batch_cache)
+            with given_positions(self.model, self._decode_positions()):
+                logits = last_logits(self.model, inputs, self.batch_cache)
             results = sample_rows([s.sampler for s in self.decoding], logits)
         except Exception as exc:
             log.exception("decode step failed")
@@ -304,6 +311,17 @@ class Scheduler:
         self._leave_batch(done)
         if done:
             mx.clear_cache()
+
+    def _decode_positions(self) -> mx.array | None:
+        """[3, rows, 1] rotary positions of this decode step's inputs on a model that takes
+        positions (rewind.engine.positions): each row's input is token index `held` of its
+        sequence, at position held + the request's position_delta. None on other models."""
+        if not takes_positions(self.model):
+            return None
+        rows = [len(s.prompt) + len(s.generated) - 1 + s.request.position_delta
+                for s in self.decoding]
+        return mx.broadcast_to(mx.array(rows, dtype=mx.int32)[None, :, None],
+                               (3, len(rows), 1))
 
     def _decode_checkpoints(self, finished_rows: set[int]) -> None:
         """Checkpoint a decoding sequence every 256 tokens it holds and where it ends (the next

@@ -130,7 +130,7 @@ class ServerRuntime:
                 collector.add_url(url)
         except ImageError as exc:
             raise bad_request(f"invalid image: {exc}", param=param, code="invalid_image") from exc
-        return self.tokenizer.convert_ids_to_tokens(self.vision.boi_token_id)
+        return self.tokenizer.convert_ids_to_tokens(self.vision.placeholder_id)
 
     def with_images(self, prompt: ChatPrompt, collector: ImageCollector | None) -> ChatPrompt:
         """The prompt with each image placeholder expanded into its image tokens (unchanged for
@@ -154,6 +154,8 @@ class ServerRuntime:
                                     checkpoints=sorted(set(checkpoints or [])))
         if image_prompt is not None:
             request.extras, request.embed = image_prompt.extras, image_prompt.embed
+            request.positions = image_prompt.positions
+            request.position_delta = image_prompt.position_delta
         try:
             return self.engine.submit(request)
         except QueueFullError as exc:

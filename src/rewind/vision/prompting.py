@@ -1,6 +1,7 @@
 """Turn (prompt tokens with image placeholders, decoded images) into what the engine takes for an
 image request: expanded tokens, moved checkpoint positions, cache extras with the image hashes,
-and the embedding function for its prefill chunks.
+and the embedding function for its prefill chunks (and the rotary positions where the family has 3-D
+positions).
 
 Runs on the caller's thread and creates no MLX arrays: the NumPy preprocessing happens here, the
 tower and embeddings later on the engine thread (rewind.vision.vlm).
@@ -14,7 +15,7 @@ from typing import Any
 
 from rewind.cache.blocks import BlockExtras
 from rewind.vision.images import DecodedImage
-from rewind.vision.vlm import EmbedFn, VisionAdapter, VisionPrompt, text_embeddings
+from rewind.vision.vlm import EmbedFn, PositionsFn, VisionAdapter, VisionPrompt, text_embeddings
 
 
 @dataclass
@@ -23,6 +24,10 @@ class ImagePrompt:
     checkpoints: list[int]
     extras: BlockExtras
     embed: EmbedFn
+    # Families with 3-D rotary positions (Qwen-VL): positions of prompt tokens, and the shift
+    # of every generated token's position (GenerationRequest.positions / position_delta).
+    positions: PositionsFn | None = None
+    position_delta: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -32,7 +37,7 @@ class ImagePrompt:
 def prepare_image_prompt(adapter: VisionAdapter, model: Any, tokens: Sequence[int],
                          images: Sequence[DecodedImage], checkpoints: Sequence[int] = (),
                          salt: str = "") -> ImagePrompt:
-    """`tokens` hold one begin-of-image placeholder per image, in order; `checkpoints` are
+    """`tokens` hold one image placeholder (`adapter.placeholder_id`) per image, in order; `checkpoints` are
     positions in `tokens` (moved to the expanded prompt). Raises ImageError on a mismatch."""
     prompt = adapter.expand(tokens, images)
     moved = sorted({prompt.position(p) for p in checkpoints} | {len(prompt.tokens)})
@@ -41,4 +46,5 @@ def prepare_image_prompt(adapter: VisionAdapter, model: Any, tokens: Sequence[in
               for span in prompt.spans]
     embed = adapter.embedder(prompt, text_embeddings(model), pixels)
     extras = BlockExtras(image_hashes=prompt.image_hashes, salt=salt)
-    return ImagePrompt(prompt, moved, extras, embed)
+    return ImagePrompt(prompt, moved, extras, embed, adapter.positioner(prompt),
+                       prompt.position_delta)

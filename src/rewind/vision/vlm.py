@@ -199,8 +199,9 @@ class VisionFamily:
 
 def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma3 import Gemma3Vision
+    from rewind.vision.qwen_vl import QwenVLVision
 
-    return [Gemma3Vision]
+    return [Gemma3Vision, QwenVLVision]
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -1,0 +1,135 @@
+"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL) model folder, for fast vision tests.
+
+`build_tiny_qwen_vl_model(out_dir)` writes the layout of an mlx-vlm conversion of Qwen2.5-VL:
+config.json in HF's flat form (the text fields at the top, `vision_config` nested, rope_scaling
+with an `mrope_section`, the image token ids), one safetensors file holding
+`language_model.model.*`, `language_model.lm_head.*` and `vision_tower.*`, a tokenizer with
+Qwen's vision tokens, and preprocessor_config.json with the min/max pixels. Both loaders read
+it: mlx-lm's `qwen2_vl` class (a qwen2 model) keeps the language model, mlx-vlm's classes build
+the ViT (rewind.vision.qwen_vl).
+
+Sizes: the language model is 4 qwen2 layers, 64 wide, 4 heads of 16 (mrope_section [2, 3, 3]
+over the 8 frequency pairs); the ViT is 2 blocks 32 wide in 14 px patches merged 2x2, with at
+most MAX_IMAGE_TOKENS image tokens per image (max_pixels), so a 320x240 image becomes a 6x9 grid
+of 54 tokens. Built in about a second; everything is seeded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rewind.testing.tiny_models import (
+    BOS,
+    EOS,
+    PAD,
+    SEED,
+    SPECIAL_TOKENS,
+    TURN_END,
+    VOCAB_SIZE,
+    WEIGHT_GAIN,
+    train_tokenizer,
+)
+
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+QWEN_VL_SPECIAL_TOKENS = [*SPECIAL_TOKENS, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+MAX_IMAGE_TOKENS = 64
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+
+
+def _vision_config(model_type: str, hidden_size: int) -> dict[str, Any]:
+    common = {"model_type": model_type, "depth": 2, "num_heads": 2, "patch_size": PATCH_SIZE,
+              "spatial_patch_size": PATCH_SIZE, "spatial_merge_size": MERGE_SIZE,
+              "temporal_patch_size": 2, "in_channels": 3, "in_chans": 3}
+    if model_type == "qwen2_5_vl":
+        # Window attention over 4x4 merged tokens in block 0, full attention in block 1.
+        return {**common, "hidden_size": 32, "intermediate_size": 64,
+                "out_hidden_size": hidden_size, "window_size": 112,
+                "fullatt_block_indexes": [1], "tokens_per_second": 2}
+    # Qwen2-VL names them differently: embed_dim is the ViT's width, hidden_size the output.
+    return {**common, "embed_dim": 32, "hidden_size": hidden_size, "mlp_ratio": 2}
+
+
+def tiny_qwen_vl_config(special_ids: dict[str, int], model_type: str = "qwen2_5_vl"
+                        ) -> dict[str, Any]:
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}")
+    hidden_size = 64
+    architecture = ("Qwen2_5_VLForConditionalGeneration" if model_type == "qwen2_5_vl"
+                    else "Qwen2VLForConditionalGeneration")
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden_size,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+        "vision_config": _vision_config(model_type, hidden_size),
+        "image_token_id": special_ids[IMAGE_PAD],
+        "video_token_id": special_ids[VIDEO_PAD],
+        "vision_start_token_id": special_ids[VISION_START],
+        "vision_end_token_id": special_ids[VISION_END],
+        "bos_token_id": special_ids[BOS],
+        "eos_token_id": [special_ids[TURN_END], special_ids[EOS]],
+        "pad_token_id": special_ids[PAD],
+    }
+
+
+def _preprocessor_config() -> dict[str, Any]:
+    # Qwen2-VL's processor: CLIP's mean/std, sizes in multiples of patch * merge = 28 px.
+    unit = PATCH_SIZE * MERGE_SIZE
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+        "temporal_patch_size": 2,
+        "min_pixels": unit * unit * 4,
+        "max_pixels": unit * unit * MAX_IMAGE_TOKENS,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_convert_rgb": True,
+    }
+
+
+def build_tiny_qwen_vl_model(out_dir: Path, model_type: str = "qwen2_5_vl", seed: int = SEED,
+                             gain: float = WEIGHT_GAIN) -> Path:
+    """Write the tiny Qwen2.5-VL (or Qwen2-VL) model into `out_dir` and return `out_dir`."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from rewind.vision.vlm import vlm_model_config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    special_ids = train_tokenizer(out_dir, QWEN_VL_SPECIAL_TOKENS)
+    config = tiny_qwen_vl_config(special_ids, model_type)
+    mx.random.seed(seed)
+    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    model = module.Model(vlm_model_config(config))
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.startswith("language_model.") and value.ndim >= 2:
+            value = value * gain  # as tiny_models: matrices scaled so greedy sequences vary
+        weights[name] = value.astype(mx.float32)
+    mx.eval(weights)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2))
+    return out_dir
