@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen2-VL image prompts: 3-D rotary positions equal mlx-vlm's get_rope_index,
+"""Qwen2.5-VL, Qwen2-VL and Qwen 3.5 image prompts: 3-D rotary positions equal mlx-vlm's
 logits and greedy decode equal mlx-vlm's own model (and differ with 1-D positions), and the
 prompt cache never changes an answer (repeat, next turn, another image at the same place, two
 images, a restore inside an image span), batched with text requests or not."""
@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
@@ -57,6 +58,11 @@ def vision_qwen2(tmp_path_factory):
     return build(tmp_path_factory, "qwen2_vl")
 
 
+@pytest.fixture(scope="module")
+def vision_qwen35(tmp_path_factory):
+    return build(tmp_path_factory, "qwen3_5")
+
+
 def encode(loaded, text: str) -> list[int]:
     return list(loaded.tokenizer.encode(text, add_special_tokens=False))
 
@@ -82,7 +88,7 @@ def image_prompt(vision, parts: list, checkpoints: list[int] | None = None) -> I
     return prepare_image_prompt(adapter, loaded.model, tokens, images, checkpoints or [len(tokens)])
 
 
-def request(prompt: ImagePrompt, max_tokens: int = 8, delta: int | None = None
+def generation(prompt: ImagePrompt, max_tokens: int = 8, delta: int | None = None
             ) -> GenerationRequest:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=3)
     return GenerationRequest(prompt.tokens, params, prompt.checkpoints, prompt.extras,
@@ -92,7 +98,7 @@ def request(prompt: ImagePrompt, max_tokens: int = 8, delta: int | None = None
 
 def reference(vision, prompt: ImagePrompt, max_tokens: int = 8):
     with Engine(vision[0], EngineConfig(parallel=1)) as engine:
-        return engine.generate(request(prompt, max_tokens), TIMEOUT)
+        return engine.generate(generation(prompt, max_tokens), TIMEOUT)
 
 
 def assert_same(result, expected) -> None:
@@ -139,7 +145,7 @@ def test_positions_equal_mlx_vlm_rope_index(vision):
     assert len({tuple(row) for row in image_rows}) == 3
 
 
-@pytest.mark.parametrize("which", ["vision", "vision_qwen2"])
+@pytest.mark.parametrize("which", ["vision", "vision_qwen2", "vision_qwen35"])
 def test_logits_equal_mlx_vlm_and_need_3d_positions(which, request):
     from mlx_vlm.utils import load_model as load_vlm
 
@@ -159,33 +165,40 @@ def test_logits_equal_mlx_vlm_and_need_3d_positions(which, request):
     assert np.abs(np.array(flat) - np.array(expected)).max() > 0.1
 
 
-def test_greedy_decode_after_the_image_equals_mlx_vlm(vision):
+@pytest.mark.parametrize("which", ["vision", "vision_qwen35"])
+def test_greedy_decode_after_the_image_equals_mlx_vlm(which, request):
     """Prefill with mlx-vlm's positions, then decode at offset + rope delta, in mlx-vlm's own
     language model: the engine's tokens are the same. With no delta they are not."""
     from mlx_lm.models.cache import KVCache
     from mlx_vlm.utils import load_model as load_vlm
 
+    vision = request.getfixturevalue(which)
     loaded, adapter = vision
     prompt = image_prompt(vision, [prefix_of(loaded, 40), picture(4), " describe it"])
     reference_model = load_vlm(Path(loaded.path))
     ids, features = mlx_vlm_inputs(reference_model, adapter, prompt)
     language = reference_model.language_model
-    cache = [KVCache() for _ in language.model.layers]
+    cache = (language.make_cache() if hasattr(language, "make_cache")
+             else [KVCache() for _ in language.model.layers])
     logits = language(ids, inputs_embeds=features.inputs_embeds, cache=cache,
                       position_ids=features.position_ids).logits
     delta = int(np.array(features.rope_deltas)[0, 0])
-    expected = []
+    expected, expected_logprobs = [], []
     for step in range(8):
         token = int(mx.argmax(logits[0, -1]).item())
         expected.append(token)
+        expected_logprobs.append(float(nn.log_softmax(logits[0, -1].astype(mx.float32))[token]))
         at = len(prompt.tokens) + step + delta
         logits = language(mx.array([[token]]), cache=cache,
                           position_ids=mx.full((3, 1, 1), at, dtype=mx.int32)).logits
     with Engine(loaded, EngineConfig(parallel=1)) as engine:
-        ours = engine.generate(request(prompt), TIMEOUT)
-        no_delta = engine.generate(request(prompt, delta=0), TIMEOUT)
+        ours = engine.generate(generation(prompt), TIMEOUT)
+        no_delta = engine.generate(generation(prompt, delta=0), TIMEOUT)
     assert ours.tokens == expected
-    assert no_delta.tokens != expected  # decode positions matter: this test can fail
+    np.testing.assert_allclose(ours.logprobs, expected_logprobs, atol=2e-3)
+    # Decode positions matter (this test can fail): without the delta the answer changes.
+    wrong = np.abs(np.array(no_delta.logprobs) - np.array(expected_logprobs)).max()
+    assert no_delta.tokens != expected or wrong > 0.05
 
 
 def test_mrope_replaces_the_cpu_decode_kernels_and_keeps_the_weights(vision):
@@ -228,8 +241,8 @@ def test_unsupported_vision_family_names_the_supported_ones(tmp_path):
 def test_repeated_image_prompt_restores_its_whole_prefix(vision, cached_engine):
     prompt = image_prompt(vision, [prefix_of(vision[0], 300), picture(6), " describe it"])
     expected = reference(vision, prompt)
-    first = cached_engine.generate(request(prompt), TIMEOUT)
-    second = cached_engine.generate(request(prompt), TIMEOUT)
+    first = cached_engine.generate(generation(prompt), TIMEOUT)
+    second = cached_engine.generate(generation(prompt), TIMEOUT)
     assert first.finish.usage.cached_tokens == 0
     assert second.finish.usage.cached_tokens == len(prompt.tokens) - 1
     assert_same(first, expected)
@@ -242,10 +255,10 @@ def test_next_turn_after_an_image(vision, cached_engine):
     loaded = vision[0]
     image = picture(7)
     turn1 = image_prompt(vision, [prefix_of(loaded, 200), image, " describe it"])
-    answer = cached_engine.generate(request(turn1, 8), TIMEOUT)
+    answer = cached_engine.generate(generation(turn1, 8), TIMEOUT)
     turn2 = image_prompt(vision, [prefix_of(loaded, 200), image, " describe it", answer.tokens,
                                   " and now the colours?"])
-    second = cached_engine.generate(request(turn2), TIMEOUT)
+    second = cached_engine.generate(generation(turn2), TIMEOUT)
     assert second.finish.usage.cached_tokens == len(turn1.tokens) + len(answer.tokens) - 1
     assert_same(second, reference(vision, turn2))
 
@@ -256,8 +269,8 @@ def test_another_image_at_the_same_place_misses_from_its_first_block(vision, cac
     other = image_prompt(vision, [prefix, picture(9), " describe it"])
     assert first.tokens == other.tokens  # same size: same tokens, only the pixels differ
     span_start = other.prompt.spans[0].start
-    cached_engine.generate(request(first), TIMEOUT)
-    result = cached_engine.generate(request(other), TIMEOUT)
+    cached_engine.generate(generation(first), TIMEOUT)
+    result = cached_engine.generate(generation(other), TIMEOUT)
     assert result.finish.usage.cached_tokens == (span_start // BLOCK_TOKENS) * BLOCK_TOKENS == 256
     expected = reference(vision, other)
     assert_same(result, expected)
@@ -270,12 +283,12 @@ def test_two_images_repeat_and_change_the_second(vision, cached_engine):
     text = prefix_of(loaded, 150)
     both = image_prompt(vision, [text, a, " versus ", text, b, " compare them"])
     changed = image_prompt(vision, [text, a, " versus ", text, c, " compare them"])
-    cached_engine.generate(request(both), TIMEOUT)
-    again = cached_engine.generate(request(both), TIMEOUT)
+    cached_engine.generate(generation(both), TIMEOUT)
+    again = cached_engine.generate(generation(both), TIMEOUT)
     assert again.finish.usage.cached_tokens == len(both.tokens) - 1
     assert_same(again, reference(vision, both))
     second_start = changed.prompt.spans[1].start
-    result = cached_engine.generate(request(changed), TIMEOUT)
+    result = cached_engine.generate(generation(changed), TIMEOUT)
     assert result.finish.usage.cached_tokens == (second_start // BLOCK_TOKENS) * BLOCK_TOKENS
     assert result.finish.usage.cached_tokens > changed.prompt.spans[0].end  # past the first image
     assert_same(result, reference(vision, changed))
@@ -291,8 +304,8 @@ def test_restore_that_stops_inside_an_image_span(vision, cached_engine):
     other = image_prompt(vision, [prefix, image, " another question entirely"])
     span = other.prompt.spans[0]
     assert span.start < BLOCK_TOKENS < span.end
-    cached_engine.generate(request(first), TIMEOUT)
-    result = cached_engine.generate(request(other), TIMEOUT)
+    cached_engine.generate(generation(first), TIMEOUT)
+    result = cached_engine.generate(generation(other), TIMEOUT)
     assert result.finish.usage.cached_tokens == BLOCK_TOKENS
     assert_same(result, reference(vision, other))
 
@@ -310,7 +323,7 @@ def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=10)
 
     def all_requests() -> list[GenerationRequest]:
-        image_requests = [request(p, 10) for p in prompts]
+        image_requests = [generation(p, 10) for p in prompts]
         text_requests = [GenerationRequest(t, params) for t in texts]
         return [image_requests[0], text_requests[0], image_requests[1], text_requests[1]]
 
@@ -336,9 +349,55 @@ def test_qwen2_vl_repeat_from_the_cache(vision_qwen2, tmp_path):
                                CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
     try:
         with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
-            engine.generate(request(prompt), TIMEOUT)
-            second = engine.generate(request(prompt), TIMEOUT)
+            engine.generate(generation(prompt), TIMEOUT)
+            second = engine.generate(generation(prompt), TIMEOUT)
     finally:
         prompt_cache.close()
     assert second.finish.usage.cached_tokens == len(prompt.tokens) - 1
     assert_same(second, expected)
+
+
+def test_qwen35_hybrid_cache_equivalence(vision_qwen35, tmp_path):
+    """Qwen 3.5: gated-delta states and full-attention K/V with 3-D positions; a repeat, a
+    restore inside an image span and the next turn give the uncached answers."""
+    loaded = vision_qwen35[0]
+    image = picture(19)
+    prefix = prefix_of(loaded, 230)
+    first = image_prompt(vision_qwen35, [prefix, image, " first question, about the shapes"])
+    other = image_prompt(vision_qwen35, [prefix, image, " another question entirely"])
+    assert other.prompt.spans[0].start < BLOCK_TOKENS < other.prompt.spans[0].end
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            answer = engine.generate(generation(first), TIMEOUT)
+            again = engine.generate(generation(first), TIMEOUT)
+            inside = engine.generate(generation(other), TIMEOUT)
+            turn2 = image_prompt(vision_qwen35, [prefix, image, " first question, about the "
+                                                 "shapes", answer.tokens, " and the colours?"])
+            second = engine.generate(generation(turn2), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    assert again.finish.usage.cached_tokens == len(first.tokens) - 1
+    assert inside.finish.usage.cached_tokens == BLOCK_TOKENS
+    assert second.finish.usage.cached_tokens == len(first.tokens) + len(answer.tokens) - 1
+    assert_same(again, reference(vision_qwen35, first))
+    assert_same(inside, reference(vision_qwen35, other))
+    assert_same(second, reference(vision_qwen35, turn2))
+
+
+def test_qwen35_image_and_text_batched_equal_one_at_a_time(vision_qwen35):
+    loaded = vision_qwen35[0]
+    image = image_prompt(vision_qwen35, ["short ", picture(20, (200, 330)), " describe it"])
+    text = encode(loaded, FILLER * 2)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+
+    def both() -> list[GenerationRequest]:
+        return [generation(image, 10), GenerationRequest(text, params)]
+
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        alone = [engine.generate(r, TIMEOUT).tokens for r in both()]
+    with Engine(loaded, EngineConfig(parallel=2)) as engine:
+        handles = [engine.submit(r) for r in both()]
+        together = [h.collect(TIMEOUT).tokens for h in handles]
+    assert together == alone

@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL) model folder, for fast vision tests.
+"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL, or Qwen 3.5) model folder, for vision tests.
 
 `build_tiny_qwen_vl_model(out_dir)` writes the layout of an mlx-vlm conversion of Qwen2.5-VL:
 config.json in HF's flat form (the text fields at the top, `vision_config` nested, rope_scaling
@@ -11,7 +11,9 @@ the ViT (rewind.vision.qwen_vl).
 Sizes: the language model is 4 qwen2 layers, 64 wide, 4 heads of 16 (mrope_section [2, 3, 3]
 over the 8 frequency pairs); the ViT is 2 blocks 32 wide in 14 px patches merged 2x2, with at
 most MAX_IMAGE_TOKENS image tokens per image (max_pixels), so a 320x240 image becomes a 6x9 grid
-of 54 tokens. Built in about a second; everything is seeded.
+of 54 tokens. `model_type="qwen3_5"` nests the hybrid text model of tiny_models (linear, full,
+linear, full; 16 rotary pairs, mrope_section [6, 5, 5] interleaved) under `text_config`, with
+Qwen3-VL's ViT. Built in about a second; everything is seeded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rewind.testing.tiny_models import (
     TURN_END,
     VOCAB_SIZE,
     WEIGHT_GAIN,
+    _family_config,
     train_tokenizer,
 )
 
@@ -38,13 +41,18 @@ QWEN_VL_SPECIAL_TOKENS = [*SPECIAL_TOKENS, VISION_START, VISION_END, IMAGE_PAD, 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 MAX_IMAGE_TOKENS = 64
-MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_5")
 
 
 def _vision_config(model_type: str, hidden_size: int) -> dict[str, Any]:
     common = {"model_type": model_type, "depth": 2, "num_heads": 2, "patch_size": PATCH_SIZE,
               "spatial_patch_size": PATCH_SIZE, "spatial_merge_size": MERGE_SIZE,
               "temporal_patch_size": 2, "in_channels": 3, "in_chans": 3}
+    if model_type == "qwen3_5":
+        # Qwen3-VL's ViT (learned position embeddings, no window attention, no deepstack).
+        return {**common, "hidden_size": 32, "intermediate_size": 64,
+                "out_hidden_size": hidden_size, "num_position_embeddings": 64,
+                "deepstack_visual_indexes": []}
     if model_type == "qwen2_5_vl":
         # Window attention over 4x4 merged tokens in block 0, full attention in block 1.
         return {**common, "hidden_size": 32, "intermediate_size": 64,
@@ -59,6 +67,26 @@ def tiny_qwen_vl_config(special_ids: dict[str, int], model_type: str = "qwen2_5_
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}")
     hidden_size = 64
+    ids = {
+        "image_token_id": special_ids[IMAGE_PAD],
+        "video_token_id": special_ids[VIDEO_PAD],
+        "vision_start_token_id": special_ids[VISION_START],
+        "vision_end_token_id": special_ids[VISION_END],
+        "bos_token_id": special_ids[BOS],
+        "eos_token_id": [special_ids[TURN_END], special_ids[EOS]],
+        "pad_token_id": special_ids[PAD],
+    }
+    if model_type == "qwen3_5":
+        # The hybrid text model of tiny_models (linear, full, linear, full), nested as Qwen 3.5
+        # vision checkpoints nest it, with interleaved mrope over its 16 rotary pairs.
+        text = _family_config("qwen3_5")
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [6, 5, 5],
+                                   "mrope_interleaved": True}
+        text["eos_token_id"] = ids["eos_token_id"]
+        return {"model_type": "qwen3_5",
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": text, "vision_config": _vision_config(model_type, hidden_size),
+                "tie_word_embeddings": False, **ids}
     architecture = ("Qwen2_5_VLForConditionalGeneration" if model_type == "qwen2_5_vl"
                     else "Qwen2VLForConditionalGeneration")
     return {
@@ -76,13 +104,7 @@ def tiny_qwen_vl_config(special_ids: dict[str, int], model_type: str = "qwen2_5_
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
         "tie_word_embeddings": False,
         "vision_config": _vision_config(model_type, hidden_size),
-        "image_token_id": special_ids[IMAGE_PAD],
-        "video_token_id": special_ids[VIDEO_PAD],
-        "vision_start_token_id": special_ids[VISION_START],
-        "vision_end_token_id": special_ids[VISION_END],
-        "bos_token_id": special_ids[BOS],
-        "eos_token_id": [special_ids[TURN_END], special_ids[EOS]],
-        "pad_token_id": special_ids[PAD],
+        **ids,
     }
 
 
@@ -108,7 +130,7 @@ def _preprocessor_config() -> dict[str, Any]:
 
 def build_tiny_qwen_vl_model(out_dir: Path, model_type: str = "qwen2_5_vl", seed: int = SEED,
                              gain: float = WEIGHT_GAIN) -> Path:
-    """Write the tiny Qwen2.5-VL (or Qwen2-VL) model into `out_dir` and return `out_dir`."""
+    """Write the tiny `model_type` (MODEL_TYPES) model into `out_dir` and return `out_dir`."""
     import importlib
 
     import mlx.core as mx

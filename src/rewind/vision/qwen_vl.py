@@ -158,3 +158,21 @@ class QwenVLVision(VisionFamily):
 
         language = getattr(model, "language_model", model)
         install_mrope(model, language.model.layers, self.mrope_section, self.rope_style)
+
+
+class Qwen35Vision(QwenVLVision):
+    """Qwen 3.5 vision: Qwen3-VL's ViT (no deepstack in 3.5) before the hybrid language model
+    (gated-delta linear attention + full attention; only the full-attention layers have
+    positions). The same prompt layout and positions as Qwen2.5-VL; mrope's sections are
+    interleaved over the rotary pairs, and only part of each head is rotated."""
+
+    name = "Qwen 3.5"
+    model_types = ("qwen3_5",)
+    rope_style = "interleaved"
+
+    def encode(self, pixels: tuple[np.ndarray, np.ndarray]) -> Any:
+        import mlx.core as mx
+
+        patches, grid_thw = pixels
+        hidden, _deepstack = self.tower(mx.array(patches).astype(self.dtype), mx.array(grid_thw))
+        return hidden

@@ -17,6 +17,8 @@ features to input embeddings. Supported families:
 - Qwen2-VL and Qwen2.5-VL (rewind.vision.qwen_vl): a dynamic-resolution ViT whose token count
   follows the image's size, and a language model with 3-D multimodal rotary positions: see
   rewind.vision.qwen_vl for how those reach mlx-lm's language model.
+- Qwen 3.5 (rewind.vision.qwen_vl.Qwen35Vision): Qwen3-VL's ViT before the hybrid language model
+  (gated-delta linear attention + full attention), with the same positions, interleaved.
 
 Other vision folders are refused with an error that names these (`VisionUnavailableError`);
 their text path still works.
@@ -199,9 +201,9 @@ class VisionFamily:
 
 def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma3 import Gemma3Vision
-    from rewind.vision.qwen_vl import QwenVLVision
+    from rewind.vision.qwen_vl import Qwen35Vision, QwenVLVision
 
-    return [Gemma3Vision, QwenVLVision]
+    return [Gemma3Vision, QwenVLVision, Qwen35Vision]
 
 
 def supported_model_types() -> tuple[str, ...]:
