@@ -1,7 +1,7 @@
 """Qwen2.5-VL, Qwen2-VL and Qwen 3.5 image prompts: 3-D rotary positions equal mlx-vlm's
-get_rope_index, logits and greedy decode equal mlx-vlm's own model (and differ with 1-D positions), and the
-prompt cache never changes an answer (repeat, next turn, another image at the same place, two
-images, a restore inside an image span), batched with text requests or not."""
+get_rope_index, logits and greedy decode equal mlx-vlm's own model (and differ with 1-D
+positions), and the prompt cache never changes an answer (repeat, next turn, another image at
+the same place, two images, a restore inside an image span), batched with text requests or not."""
 
 from __future__ import annotations
 
