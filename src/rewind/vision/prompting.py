@@ -37,8 +37,9 @@ class ImagePrompt:
 def prepare_image_prompt(adapter: VisionAdapter, model: Any, tokens: Sequence[int],
                          images: Sequence[DecodedImage], checkpoints: Sequence[int] = (),
                          salt: str = "") -> ImagePrompt:
-    """`tokens` hold one image placeholder (`adapter.placeholder_id`) per image, in order; `checkpoints` are
-    positions in `tokens` (moved to the expanded prompt). Raises ImageError on a mismatch."""
+    """`tokens` hold one image placeholder (`adapter.placeholder_id`) per image, in order;
+    `checkpoints` are positions in `tokens` (moved to the expanded prompt). Raises ImageError on
+    a mismatch."""
     prompt = adapter.expand(tokens, images)
     moved = sorted({prompt.position(p) for p in checkpoints} | {len(prompt.tokens)})
     # Preprocess here (NumPy, off the engine thread) unless the tower output is already kept.
