@@ -207,7 +207,10 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
         argv = [str(llama_cpp_python()), str(LLAMA_CPP_WRAPPER), str(model.mlx_folder),
                 "--model", str(model.gguf),
                 "--host", LOOPBACK, "--port", str(port), "--n_ctx", str(options.context),
-                "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512"]
+                "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512",
+                # Its default (True) ends a running stream after its first chunk as soon as
+                # another request waits for the model: concurrent sessions got empty answers.
+                "--interrupt_requests", "False"]
         return ServerProcess(name, argv, port, log_path, ready_paths=("/v1/models",),
                              model_id="default")
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVER_NAMES)}")
