@@ -1,4 +1,4 @@
-"""Build and load rewind/native/cpu_kernels.c: the CPU decode kernels (matvecs, layer work).
+"""Build and load rewind/native/*.c: the CPU kernels (matvecs, layer work, attention).
 
 Compiled once with the system C compiler into the cache folder, keyed by the source and the
 flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; its own thread pool), and loaded
@@ -22,7 +22,9 @@ from rewind.paths import cache_home
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "native" / "cpu_kernels.c"
+NATIVE = Path(__file__).resolve().parent.parent / "native"
+SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "attention.c")
+HEADERS = (NATIVE / "simd.h",)
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
@@ -45,6 +47,25 @@ class Layer(ctypes.Structure):
                 ("k_norm", ctypes.c_void_p), ("o", Matrix), ("post_attn_norm", ctypes.c_void_p),
                 ("pre_ff_norm", ctypes.c_void_p), ("gate_up", Matrix), ("down", Matrix),
                 ("post_ff_norm", ctypes.c_void_p)]
+
+
+class Strides4(ctypes.Array):
+    _type_ = ctypes.c_int64
+    _length_ = 4
+
+
+class Attention(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("qs", Strides4), ("ks", Strides4), ("vs", Strides4),
+                ("mask", ctypes.c_void_p), ("ms", Strides4), ("mask_kind", ctypes.c_int64),
+                ("out", ctypes.c_void_p),
+                ("B", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("L", ctypes.c_int64), ("S", ctypes.c_int64), ("D", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("kv_form", ctypes.c_int64),
+                ("threads", ctypes.c_int64)]
+
+
+MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3
 
 
 class Shape(ctypes.Structure):
@@ -80,13 +101,20 @@ def compile_flags() -> list[str] | None:
     return [*_BASE_FLAGS, *_AVX2_FLAGS]
 
 
+def vector_width() -> int:
+    """float32 lanes per vector in the kernels built for this CPU (16 with AVX-512, else 8)."""
+    flags = compile_flags() or []
+    return 16 if "-mavx512f" in flags else 8
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.matvec.argtypes = [p, p, ctypes.c_int, p, p, i64, i64, i64, ctypes.c_int]
     lib.layer_pre.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p, p, p]
     lib.layer_post.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p]
     lib.rows_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
-    for name in ("matvec", "layer_pre", "layer_post", "rows_rms_norm"):
+    lib.attention.argtypes = [ctypes.POINTER(Attention)]
+    for name in ("matvec", "layer_pre", "layer_post", "rows_rms_norm", "attention"):
         getattr(lib, name).restype = ctypes.c_int
 
 
@@ -98,10 +126,10 @@ def load_kernels() -> ctypes.CDLL | None:
     _tried = True
     flags = compile_flags()
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if flags is None or compiler is None or not SOURCE.exists():
+    if flags is None or compiler is None or not all(p.exists() for p in SOURCES + HEADERS):
         log.info("native CPU kernels unavailable (need x86-64 AVX2/FMA and a C compiler)")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     tag = hashlib.blake2b(source + " ".join(flags).encode(), digest_size=8).hexdigest()
     library = cache_home() / "native" / f"cpu_kernels-{tag}.so"
     if not library.exists():
@@ -109,13 +137,14 @@ def load_kernels() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
             built = Path(scratch) / library.name
             try:
-                result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
+                result = subprocess.run([compiler, *flags, "-o", str(built),
+                                         *map(str, SOURCES), "-lm"],
                                         capture_output=True, text=True, timeout=180)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log.warning("native CPU kernels: could not run %s: %s", compiler, exc)
                 return None
             if result.returncode != 0:
-                log.warning("native CPU kernels: compiling %s failed: %s", SOURCE,
+                log.warning("native CPU kernels: compiling %s failed: %s", NATIVE,
                             result.stderr[-800:])
                 return None
             os.replace(built, library)  # atomic: a reader never sees half a library

@@ -17,7 +17,6 @@
 
    Built at first use by rewind.engine.native with the system C compiler (AVX-512 where the CPU
    has it, else AVX2); without a compiler Rewind keeps MLX's path. */
-#include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -25,63 +24,11 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
+#include "simd.h"
+
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
 #define RB 4 /* output rows per block: independent FMA chains, weights read once */
-
-#ifdef __AVX512F__
-#define XG 4 /* activation rows per pass */
-#define VW 16
-typedef __m512 vf;
-static inline vf ld_bf16(const uint16_t *p) {
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-static inline vf ld_i8(const int8_t *p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#define LDF(p) _mm512_loadu_ps(p)
-#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define ZERO() _mm512_setzero_ps()
-static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
-#else
-#define XG 2
-#define VW 8
-typedef __m256 vf;
-static inline vf ld_bf16(const uint16_t *p) {
-  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-static inline vf ld_i8(const int8_t *p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-#define LDF(p) _mm256_loadu_ps(p)
-#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define ZERO() _mm256_setzero_ps()
-static inline float hsum(vf v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
-#endif
-
-static inline float weight_at(const void *w, int form, int64_t i) {
-  if (form == FORM_INT8) return (float)((const int8_t *)w)[i];
-  if (form == FORM_F32) return ((const float *)w)[i];
-  uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline vf load_weights(const void *w, int form, int64_t i) {
-  if (form == FORM_BF16) return ld_bf16((const uint16_t *)w + i);
-  if (form == FORM_INT8) return ld_i8((const int8_t *)w + i);
-  return LDF((const float *)w + i);
-}
 
 /* One block of RB output rows against NX activation rows; NX is a constant per copy so the
    compiler keeps every accumulator in a register. */
@@ -124,8 +71,6 @@ DEFINE_BLOCK(4)
 
 #define MAX_WORKERS 63
 #define SPIN_ROUNDS 20000 /* ~0.1-0.3 ms of pause before a worker sleeps */
-
-typedef void (*BlockFn)(const void *args, int64_t block);
 
 static struct {
   _Atomic uint64_t claim; /* generation << 32 | next block to claim */
@@ -199,7 +144,7 @@ static void ensure_workers(int wanted) {
 }
 
 /* fn(args, b) for b in [0, blocks), spread over up to `threads` threads (the caller is one). */
-static void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads) {
+void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads) {
   if (threads <= 1 || blocks <= 1) {
     for (int64_t b = 0; b < blocks; ++b) fn(args, b);
     return;
@@ -267,16 +212,25 @@ static void rms_norm(const float *x, const float *w, float eps, int64_t n, float
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
-/* mx.fast.rope on one head vector: the first `dims` entries rotate, the rest pass through. */
-static void rope(float *v, int64_t dims, float position, const float *inv_freq, int traditional) {
+/* mx.fast.rope on the head vectors of one row: the first `dims` entries of each rotate, the rest
+   pass through. cs: 2 * dims / 2 floats of scratch (the angles are the same for every head). */
+static void rope_heads(float *row, int64_t heads, int64_t D, int64_t dims, float position,
+                       const float *inv_freq, int traditional, float *cs) {
   int64_t half = dims / 2;
   for (int64_t i = 0; i < half; ++i) {
     float theta = position * inv_freq[i];
-    float c = cosf(theta), s = sinf(theta);
-    int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
-    float x1 = v[a], x2 = v[b];
-    v[a] = x1 * c - x2 * s;
-    v[b] = x1 * s + x2 * c;
+    cs[i] = cosf(theta);
+    cs[half + i] = sinf(theta);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float *v = row + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      float c = cs[i], s = cs[half + i];
+      int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+      float x1 = v[a], x2 = v[b];
+      v[a] = x1 * c - x2 * s;
+      v[b] = x1 * s + x2 * c;
+    }
   }
 }
 
@@ -316,31 +270,111 @@ typedef struct {
   int64_t traditional;
 } Shape;
 
+/* Per-row work of a layer, spread over the pool in blocks of rows. */
+typedef struct {
+  const Layer *L;
+  const Shape *S;
+  float *x;                 /* [m, H] residual stream */
+  float *qkv;               /* [m, width] */
+  float *proj, *gate_up, *act;
+  const int64_t *positions;
+  const float *inv_freq;
+  int64_t m;
+} Rows;
+typedef void (*RowFn)(const Rows *job, int64_t r);
+typedef struct {
+  const Rows *job;
+  RowFn fn;
+} RowTask;
+
+#define ROWS_PER_TASK 16
+
+static void row_block(const void *arg, int64_t block) {
+  const RowTask *task = (const RowTask *)arg;
+  int64_t end = (block + 1) * ROWS_PER_TASK;
+  if (end > task->job->m) end = task->job->m;
+  for (int64_t r = block * ROWS_PER_TASK; r < end; ++r) task->fn(task->job, r);
+}
+
+static void for_rows(const Rows *job, RowFn fn) {
+  RowTask task = {job, fn};
+  run_blocks(row_block, &task, (job->m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, (int)job->S->threads);
+}
+
+static void input_norm_row(const Rows *j, int64_t r) {
+  const int64_t H = j->S->hidden;
+  rms_norm(j->x + r * H, j->L->input_norm, j->S->eps, H, j->proj + r * H);
+}
+
+static void qk_row(const Rows *j, int64_t r) {
+  const Shape *S = j->S;
+  const int64_t D = S->head_dim, nH = S->heads, nKV = S->kv_heads;
+  float *row = j->qkv + r * (nH + 2 * nKV) * D;
+  for (int64_t h = 0; h < nH + nKV; ++h) {
+    const float *norm = h < nH ? j->L->q_norm : j->L->k_norm;
+    if (norm) rms_norm(row + h * D, norm, S->eps, D, row + h * D);
+  }
+  float cs[1024];
+  float position = (float)j->positions[r] * S->rope_scale;
+  rope_heads(row, nH + nKV, D, S->rope_dims, position, j->inv_freq, (int)S->traditional, cs);
+}
+
 /* Before attention: h = norm(x); q, k, v = projections of h; per-head q/k norms; RoPE at each
    row's position. qkv_out [m, (nH + 2 nKV) D]. scratch: [m, H]. */
 int layer_pre(const Layer *L, const Shape *S, const float *x, int64_t m, const int64_t *positions,
               const float *inv_freq, float *qkv_out, float *scratch) {
   const int64_t H = S->hidden, D = S->head_dim, nH = S->heads, nKV = S->kv_heads;
-  const int64_t width = (nH + 2 * nKV) * D;
-  for (int64_t r = 0; r < m; ++r) rms_norm(x + r * H, L->input_norm, S->eps, H, scratch + r * H);
-  int status = apply(&L->qkv, scratch, qkv_out, width, H, m, (int)S->threads);
+  if (S->rope_dims > 1024) return -2; /* rope_heads' scratch */
+  Rows job = {L, S, (float *)x, qkv_out, scratch, NULL, NULL, positions, inv_freq, m};
+  for_rows(&job, input_norm_row);
+  int status = apply(&L->qkv, scratch, qkv_out, (nH + 2 * nKV) * D, H, m, (int)S->threads);
   if (status) return status;
-  for (int64_t r = 0; r < m; ++r) {
-    float *row = qkv_out + r * width;
-    float position = (float)positions[r] * S->rope_scale;
-    for (int64_t h = 0; h < nH + nKV; ++h) {
-      float *v = row + h * D;
-      const float *norm = h < nH ? L->q_norm : L->k_norm;
-      if (norm) rms_norm(v, norm, S->eps, D, v);
-      rope(v, S->rope_dims, position, inv_freq, (int)S->traditional);
-    }
-  }
+  for_rows(&job, qk_row);
   return 0;
 }
 
-static inline float gelu_tanh(float x) {
-  const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
-  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+/* x += post_attn_norm(o_proj(attn)); proj = pre_ff_norm(x). */
+static void attn_residual_row(const Rows *j, int64_t r) {
+  const int64_t H = j->S->hidden;
+  float *p = j->proj + r * H, *xr = j->x + r * H;
+  if (j->L->post_attn_norm) rms_norm(p, j->L->post_attn_norm, j->S->eps, H, p);
+  for (int64_t i = 0; i < H; ++i) xr[i] += p[i];
+  rms_norm(xr, j->L->pre_ff_norm, j->S->eps, H, p);
+}
+
+/* act = gelu_tanh(gate) * up, or silu(gate) * up; gelu_tanh(g) = 0.5 g (1 + tanh(u)) is
+   g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3), with a vectorized exp. */
+static void activation_row(const Rows *j, int64_t r) {
+  const int64_t I = j->S->intermediate;
+  const float *g = j->gate_up + r * 2 * I, *u = g + I;
+  float *a = j->act + r * I;
+  const int silu = j->S->activation == ACT_SILU;
+  const float k = 0.7978845608028654f;
+  int64_t i = 0;
+  for (; i + VW <= I; i += VW) {
+    vf gv = LDF(g + i), e;
+    if (silu) {
+      e = vexp(SUB(ZERO(), gv));
+    } else {
+      vf inner = MUL(SET1(k), FMA(MUL(SET1(0.044715f), gv), MUL(gv, gv), gv));
+      e = vexp(MUL(SET1(-2.0f), inner));
+    }
+    STF(a + i, MUL(DIV(gv, ADD(SET1(1.0f), e)), LDF(u + i)));
+  }
+  for (; i < I; ++i) {
+    float gi = g[i], e;
+    if (silu) e = expf(-gi);
+    else e = expf(-2.0f * k * (gi + 0.044715f * gi * gi * gi));
+    a[i] = gi / (1.0f + e) * u[i];
+  }
+}
+
+/* x += post_ff_norm(down(...)). */
+static void mlp_residual_row(const Rows *j, int64_t r) {
+  const int64_t H = j->S->hidden;
+  float *p = j->proj + r * H, *xr = j->x + r * H;
+  if (j->L->post_ff_norm) rms_norm(p, j->L->post_ff_norm, j->S->eps, H, p);
+  for (int64_t i = 0; i < H; ++i) xr[i] += p[i];
 }
 
 /* After attention: x += post_attn_norm(o_proj(attn)); x += post_ff_norm(down(act(gate) * up))
@@ -350,31 +384,16 @@ int layer_post(const Layer *L, const Shape *S, float *x, int64_t m, const float 
                float *scratch) {
   const int64_t H = S->hidden, I = S->intermediate, A = S->heads * S->head_dim;
   float *proj = scratch, *gate_up = scratch + m * H, *act = gate_up + m * 2 * I;
+  Rows job = {L, S, x, NULL, proj, gate_up, act, NULL, NULL, m};
   int status = apply(&L->o, attn, proj, H, A, m, (int)S->threads);
   if (status) return status;
-  for (int64_t r = 0; r < m; ++r) {
-    float *p = proj + r * H, *xr = x + r * H;
-    if (L->post_attn_norm) rms_norm(p, L->post_attn_norm, S->eps, H, p);
-    for (int64_t i = 0; i < H; ++i) xr[i] += p[i];
-    rms_norm(xr, L->pre_ff_norm, S->eps, H, p);
-  }
+  for_rows(&job, attn_residual_row);
   status = apply(&L->gate_up, proj, gate_up, 2 * I, H, m, (int)S->threads);
   if (status) return status;
-  for (int64_t r = 0; r < m; ++r) {
-    const float *g = gate_up + r * 2 * I, *u = g + I;
-    float *a = act + r * I;
-    if (S->activation == ACT_SILU)
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    else
-      for (int64_t i = 0; i < I; ++i) a[i] = gelu_tanh(g[i]) * u[i];
-  }
+  for_rows(&job, activation_row);
   status = apply(&L->down, act, proj, H, I, m, (int)S->threads);
   if (status) return status;
-  for (int64_t r = 0; r < m; ++r) {
-    float *p = proj + r * H, *xr = x + r * H;
-    if (L->post_ff_norm) rms_norm(p, L->post_ff_norm, S->eps, H, p);
-    for (int64_t i = 0; i < H; ++i) xr[i] += p[i];
-  }
+  for_rows(&job, mlp_residual_row);
   return 0;
 }
 

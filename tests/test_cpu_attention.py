@@ -1,0 +1,80 @@
+"""The C attention kernel (rewind.engine.cpu_attention) against mx.fast.scaled_dot_product_attention:
+every mask kind mlx-lm builds, grouped-query heads, decode and prefill shapes, bf16 keys, strided
+cache views, rows that every key masks, and the inputs it refuses."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from rewind.engine import native
+from rewind.engine.cpu_attention import attention
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None or mx.default_device() != mx.cpu,
+                                reason="needs the CPU backend, x86-64 AVX2 and a C compiler")
+TOLERANCE = 1e-4
+
+
+def inputs(batch: int, heads: int, kv_heads: int, length: int, total: int, dim: int,
+           kv_dtype=mx.float32, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((batch, heads, length, dim)).astype(np.float32))
+    # Keys and values as a cache hands them: a view of a larger, preallocated buffer.
+    k, v = (mx.array(rng.standard_normal((batch, kv_heads, total + 9, dim)).astype(np.float32))
+            .astype(kv_dtype)[:, :, :total, :] for _ in range(2))
+    return q, k, v
+
+
+def assert_matches_mlx(q, k, v, mask, scale: float = 0.1) -> None:
+    expected = mx.fast.scaled_dot_product_attention(q, k.astype(mx.float32),
+                                                    v.astype(mx.float32), scale=scale, mask=mask)
+    got = attention(q, k, v, scale, mask)
+    assert got is not None and got.shape == expected.shape
+    assert float(mx.abs(got - expected).max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("length,total", [(512, 512), (100, 900), (1, 1), (33, 33)])
+def test_causal_prefill_at_any_offset(length: int, total: int) -> None:
+    assert_matches_mlx(*inputs(1, 4, 1, length, total, 256), "causal")
+
+
+@pytest.mark.parametrize("total", [900, 5000])  # 5000: keys split across threads, recombined
+def test_decode_step(total: int) -> None:
+    assert_matches_mlx(*inputs(1, 4, 1, 1, total, 256), None)
+
+
+def test_batched_decode_with_grouped_heads_and_left_padding() -> None:
+    mask = create_causal_mask(1, 800, left_padding=mx.array([0, 100, 790]))
+    assert_matches_mlx(*inputs(3, 8, 2, 1, 801, 64), mask)
+
+
+def test_sliding_window_mask() -> None:
+    assert_matches_mlx(*inputs(1, 4, 1, 300, 811, 256), create_causal_mask(300, 511, window_size=512))
+
+
+def test_random_boolean_and_additive_masks() -> None:
+    rng = np.random.default_rng(5)
+    assert_matches_mlx(*inputs(1, 4, 1, 1, 6000, 128), mx.array(rng.random((1, 1, 1, 6000)) > 0.5))
+    additive = mx.array(rng.standard_normal((2, 1, 17, 40)).astype(np.float32))
+    assert_matches_mlx(*inputs(2, 4, 4, 17, 40, 32), additive)
+
+
+def test_bf16_keys_and_values() -> None:
+    assert_matches_mlx(*inputs(1, 4, 1, 64, 300, 256, kv_dtype=mx.bfloat16), "causal")
+
+
+def test_a_row_every_key_masks_gets_the_mean_of_the_values() -> None:
+    """MLX fills masked scores with the dtype's minimum, so such a row averages every value."""
+    assert_matches_mlx(*inputs(1, 4, 1, 5, 50, 16), mx.zeros((1, 1, 5, 50), dtype=mx.bool_))
+
+
+def test_refuses_what_it_does_not_implement() -> None:
+    q, k, v = inputs(1, 4, 1, 4, 10, 256)
+    assert attention(q, k.astype(mx.float16), v.astype(mx.float16), 0.1, "causal") is None
+    odd_q, odd_k, odd_v = inputs(1, 4, 1, 4, 10, 12)  # not a multiple of the vector width
+    assert attention(odd_q, odd_k, odd_v, 0.1, "causal") is None
+    assert attention(q, (k, k, k), (v, v, v), 0.1, None) is None  # a quantized cache's tuples
+    with pytest.raises(ValueError, match="mask mode"):
+        attention(q, k, v, 0.1, "sideways")
