@@ -55,32 +55,29 @@ def test_eiffel_tower_is_in_paris(default_model):
     assert greedy_continuation(default_model, "The Eiffel Tower is located in the city of", 2).startswith(" Paris")
 
 
-def test_decode_kernels_give_the_mlx_answer(default_model):
-    """The default (bf16 checkpoint) decodes through the bf16 CPU kernels; its greedy tokens and
-    logits are those of MLX's float32 layers."""
+def test_cpu_kernels_give_the_mlx_answer(default_model):
+    """The default (bf16 checkpoint) runs its prefill and decode through the bf16 CPU kernels;
+    its greedy tokens and log-probabilities are those of MLX's float32 layers."""
     import mlx.core as mx
     import numpy as np
 
-    from rewind.engine.native_decode import native_decoder
+    from rewind.engine.native_forward import native_forward
     from rewind.engine.single import generate_tokens
+    from rewind.models.loader import load_model
 
-    model = default_model.model
-    decoder = native_decoder(model)
     if not mx.default_device() == mx.cpu:
-        pytest.skip("the decode kernels are for the CPU backend")
-    assert decoder is not None and decoder.form == "bf16"
-    prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of")
+        pytest.skip("the C kernels are for the CPU backend")
+    forward = native_forward(default_model.model)
+    assert forward is not None and forward.form == "bf16"
+    prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of " * 40)
 
-    def trace():
-        steps = list(generate_tokens(model, prompt, max_tokens=24))
+    def trace(model):
+        steps = list(generate_tokens(model, prompt, max_tokens=24, prefill_chunk=256))
         return [t for t, _ in steps], np.stack([np.array(lp) for _, lp in steps])
 
-    tokens, logprobs = trace()
-    model.__dict__.pop("_rewind_native_decoder")
-    try:
-        plain_tokens, plain_logprobs = trace()
-    finally:
-        object.__setattr__(model, "_rewind_native_decoder", decoder)
+    tokens, logprobs = trace(default_model.model)
+    plain = load_model("default", native_forward="off")
+    plain_tokens, plain_logprobs = trace(plain.model)
     assert tokens == plain_tokens
     assert np.abs(logprobs - plain_logprobs).max() < 5e-3
 

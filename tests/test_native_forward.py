@@ -1,10 +1,10 @@
-"""CPU decode kernels (rewind.engine.native_decode): the same answers as MLX's path.
+"""The CPU forward pass (rewind.engine.native_forward): the same answers as MLX's path.
 
 Every test compares a model loaded with the kernels against the same folder loaded with
-REWIND_NATIVE_DECODE=off (MLX's own layers), on tiny random models of each supported family:
-greedy tokens identical, logits within float32 summation-order noise, across sliding windows,
-past 256-token blocks, in a continuous batch of rows at different positions, and after a
-prompt-cache restore.
+REWIND_NATIVE=off (MLX's own layers), on tiny random models of each supported family: greedy
+tokens identical, logits within float32 summation-order noise, for prefill (whole prompts, chunks
+at any offset, no cache, input embeddings) and decode, across sliding windows, past 256-token
+blocks, in a continuous batch of rows at different positions, and after a trimmed cache.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from rewind.config import EngineConfig
 from rewind.engine import Engine, GenerationRequest, SamplingParams
 from rewind.engine import native
 from rewind.engine.forward import last_logits
-from rewind.engine.native_decode import install_native_decoder, native_decoder
+from rewind.engine.native_forward import (install_native_forward, native_forward,
+                                          remove_native_forward)
 from rewind.models.loader import load_model
 from rewind.testing.tiny_models import build_tiny_model
 
@@ -38,6 +39,13 @@ FAMILIES = ["gemma3", "llama", *EXTRA_FAMILIES]
 LOGIT_TOLERANCE = 1e-4  # float32 weights: only the order of summation differs
 
 
+def assert_logits_close(got: np.ndarray, expected: np.ndarray) -> None:
+    """Within float32 summation-order noise, relative to the logits' size (a wrong kernel is off
+    by whole units)."""
+    scale = max(1.0, float(np.abs(expected).max()))
+    assert np.abs(got - expected).max() < LOGIT_TOLERANCE * scale
+
+
 @pytest.fixture(scope="module")
 def model_pair(tmp_path_factory: pytest.TempPathFactory):
     """model_pair(family) -> (with kernels, MLX path): two loads of one tiny model folder."""
@@ -49,7 +57,7 @@ def model_pair(tmp_path_factory: pytest.TempPathFactory):
                 "llama", EXTRA_FAMILIES[family])
             folder = build_tiny_model(base, tmp_path_factory.mktemp(f"native-{family}"),
                                       overrides=overrides)
-            pairs[family] = (load_model(str(folder)), load_model(str(folder), native_decode="off"))
+            pairs[family] = (load_model(str(folder)), load_model(str(folder), native_forward="off"))
         return pairs[family]
 
     return get
@@ -71,9 +79,9 @@ def decode_trace(model, prompt: list[int], steps: int, cache=None) -> tuple[list
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kernels_are_installed_for_supported_families(model_pair, family: str) -> None:
     fast, plain = model_pair(family)
-    decoder = native_decoder(fast.model)
-    assert decoder is not None and decoder.form == "f32"  # random float32 weights: not bf16-exact
-    assert native_decoder(plain.model) is None
+    forward = native_forward(fast.model)
+    assert forward is not None and forward.form == "f32"  # random float32 weights: not bf16-exact
+    assert native_forward(plain.model) is None
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,8 +92,70 @@ def test_decode_equals_mlx_path(model_pair, family: str, prompt_tokens: int) -> 
     fast_tokens, fast_logits = decode_trace(fast.model, prompt, 40)
     plain_tokens, plain_logits = decode_trace(plain.model, prompt, 40)
     assert fast_tokens == plain_tokens
-    assert np.abs(fast_logits - plain_logits).max() < LOGIT_TOLERANCE
+    assert_logits_close(fast_logits, plain_logits)
     assert len(set(fast_tokens)) > 3  # a random model that repeats one token would prove little
+
+
+def chunked_logits(model, prompt: list[int], chunks: list[int], cache) -> np.ndarray:
+    """Logits of every prompt position, fed through `cache` in chunks of the given sizes (the
+    last chunk takes the rest)."""
+    rows, start = [], 0
+    for size in [*chunks, len(prompt)]:
+        end = min(len(prompt), start + size)
+        if end > start:
+            rows.append(np.array(model(mx.array([prompt[start:end]]), cache=cache)[0]))
+        start = end
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_equals_mlx_path(model_pair, family: str) -> None:
+    """Every position's logits of a 300-token prompt, with no cache (one pass, causal and window
+    masks built from the length) and through a cache in uneven chunks (offsets, chunks that
+    straddle the 64-token window and the 256-token cache step)."""
+    fast, plain = model_pair(family)
+    prompt = np.random.default_rng(11).integers(3, 200, 300).tolist()
+    expected = np.array(plain.model(mx.array([prompt]))[0])
+    assert_logits_close(np.array(fast.model(mx.array([prompt]))[0]), expected)
+    for model in (fast.model, plain.model):
+        got = chunked_logits(model, prompt, [37, 64, 1, 120], make_prompt_cache(model))
+        assert_logits_close(got, expected)
+
+
+def test_prefill_through_a_rotating_cache_equals_mlx_path(model_pair) -> None:
+    """--max-kv-size: every layer keeps the last 100 tokens (RotatingKVCache), and chunks longer
+    than what is left of the window make mlx-lm rebuild it in temporal order."""
+    fast, plain = model_pair("llama")
+    prompt = np.random.default_rng(12).integers(3, 200, 260).tolist()
+    fast_logits, plain_logits = (
+        chunked_logits(loaded.model, prompt, [30, 90, 5, 80],
+                       make_prompt_cache(loaded.model, max_kv_size=100))
+        for loaded in (fast, plain))
+    assert_logits_close(fast_logits, plain_logits)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_input_embeddings_equal_mlx_path(model_pair, family: str) -> None:
+    """Image prompts hand the backbone embeddings instead of token ids (Gemma scales them too)."""
+    fast, plain = model_pair(family)
+    prompt = list(range(3, 80))
+    table = plain.model.model.embed_tokens(mx.array([prompt]))
+    embeddings = table + 0.5 * mx.random.normal(table.shape, key=mx.random.key(3))
+    got, expected = (np.array(loaded.model(mx.array([prompt]), cache=make_prompt_cache(
+        loaded.model), input_embeddings=embeddings)[0]) for loaded in (fast, plain))
+    assert_logits_close(got, expected)
+
+
+def test_remove_gives_the_mlx_call_back(tiny_model_path) -> None:
+    loaded = load_model(str(tiny_model_path("llama")))
+    backbone = loaded.model.model
+    native_class = type(backbone)
+    assert native_forward(loaded.model) is not None
+    assert install_native_forward(loaded.model, "f32") is not None  # again: replaces, no nesting
+    assert type(backbone) is native_class
+    assert remove_native_forward(loaded.model)
+    assert native_forward(loaded.model) is None and type(backbone) is native_class.__base__
+    assert not remove_native_forward(loaded.model)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
@@ -109,7 +179,7 @@ def test_continuous_batch_equals_mlx_path(model_pair, family: str) -> None:
 
     for (fast_tokens, fast_lp), (plain_tokens, plain_lp) in zip(run(fast), run(plain)):
         assert fast_tokens == plain_tokens
-        assert np.allclose(fast_lp, plain_lp, atol=LOGIT_TOLERANCE)
+        assert_logits_close(np.array(fast_lp), np.array(plain_lp))
 
 
 def test_decode_after_a_trimmed_cache_equals_mlx_path(model_pair) -> None:
@@ -124,26 +194,26 @@ def test_decode_after_a_trimmed_cache_equals_mlx_path(model_pair) -> None:
             layer.trim(30)
         results.append(decode_trace(loaded.model, [5], 20, cache))
     assert results[0][0] == results[1][0]
-    assert np.abs(results[0][1] - results[1][1]).max() < LOGIT_TOLERANCE
+    assert_logits_close(results[0][1], results[1][1])
 
 
 def test_bf16_and_int8_forms(tmp_path: Path) -> None:
     """bf16 on bf16-exact weights gives MLX's answer; int8 stays within its rounding."""
     folder = build_tiny_model("gemma3", tmp_path / "m")
-    plain = load_model(str(folder), native_decode="off")
+    plain = load_model(str(folder), native_forward="off")
     for _, module in plain.model.named_modules():  # make every weight bf16-representable
         if "weight" in module and module["weight"].ndim == 2:
             module.weight = module.weight.astype(mx.bfloat16).astype(mx.float32)
     prompt = list(range(3, 100))
     plain_tokens, plain_logits = decode_trace(plain.model, prompt, 30)
 
-    bf16 = install_native_decoder(plain.model, "auto")
+    bf16 = install_native_forward(plain.model, "auto")
     assert bf16 is not None and bf16.form == "bf16"
     tokens, logits = decode_trace(plain.model, prompt, 30)
     assert tokens == plain_tokens
-    assert np.abs(logits - plain_logits).max() < LOGIT_TOLERANCE
+    assert_logits_close(logits, plain_logits)
 
-    int8 = install_native_decoder(plain.model, "int8")
+    int8 = install_native_forward(plain.model, "int8")
     assert int8 is not None and int8.form == "int8" and int8.nbytes < bf16.nbytes * 0.6
     _, logits = decode_trace(plain.model, prompt, 1)
     difference = np.abs(logits[0] - plain_logits[0]).max()
@@ -152,11 +222,11 @@ def test_bf16_and_int8_forms(tmp_path: Path) -> None:
 
 def test_unsupported_family_and_off_keep_mlx(tiny_model_path) -> None:
     hybrid = load_model(str(tiny_model_path("qwen3_5")))  # linear attention: not in the kernels
-    assert native_decoder(hybrid.model) is None
-    llama = load_model(str(tiny_model_path("llama")), native_decode="off")
-    assert native_decoder(llama.model) is None
-    with pytest.raises(ValueError, match="REWIND_NATIVE_DECODE"):
-        install_native_decoder(llama.model, "fp8")
+    assert native_forward(hybrid.model) is None
+    llama = load_model(str(tiny_model_path("llama")), native_forward="off")
+    assert native_forward(llama.model) is None
+    with pytest.raises(ValueError, match="REWIND_NATIVE"):
+        install_native_forward(llama.model, "fp8")
 
 
 @pytest.mark.parametrize("form", ["f32", "bf16", "int8"])

@@ -35,15 +35,15 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="Rewind's CPU decode head (default: the loader's, REWIND_CPU_HEAD)")
     parser.add_argument("--also-int8-head", action="store_true",
                         help="also measure Rewind with the int8 CPU decode head")
-    parser.add_argument("--native-decode", default=None,
+    parser.add_argument("--native", default=None,
                         choices=["auto", "bf16", "f32", "int8", "off"],
-                        help="Rewind's CPU decode kernels for the layers (default: the loader's, "
-                             "REWIND_NATIVE_DECODE)")
+                        help="Rewind's CPU kernels for the layers (default: the loader's, "
+                             "REWIND_NATIVE)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also measure llama.cpp (llama-cpp-python, scripts/install-llama-cpp.sh)"
                              " on the GGUF the model came from")
     parser.add_argument("--also-mlx-layers", action="store_true",
-                        help="also measure Rewind with the layers in MLX (decode kernels off)")
+                        help="also measure Rewind with the layers in MLX (C kernels off)")
     parser.add_argument("--head-perplexity", type=Path, default=None, metavar="TEXT_FILE",
                         help="also report perplexity on this text with each decode-head form")
 
@@ -57,15 +57,15 @@ def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
 
 
 def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
-                   cpu_head: str | None, native_decode: str | None = None) -> dict[str, Any]:
+                   cpu_head: str | None, native_form: str | None = None) -> dict[str, Any]:
     import mlx.core as mx
 
     from rewind.engine.fast_head import fast_head
-    from rewind.engine.native_decode import native_decoder
+    from rewind.engine.native_forward import native_forward
     from rewind.engine.single import generate_tokens
     from rewind.models.loader import load_model
 
-    loaded = load_model(model_name, cpu_head=cpu_head, native_decode=native_decode)
+    loaded = load_model(model_name, cpu_head=cpu_head, native_forward=native_form)
     model = loaded.model
     for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
         pass
@@ -76,9 +76,9 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     produced = 1 + sum(1 for _ in stream)
     end, cpu_end = time.perf_counter(), time.process_time()
     head = fast_head(model)
-    decoder = native_decoder(model)
+    decoder = native_forward(model)
     variant = [f"{cpu_head} head"] if cpu_head not in (None, "auto") else []
-    variant += [f"{native_decode} layers"] if native_decode not in (None, "auto") else []
+    variant += [f"{native_form} layers"] if native_form not in (None, "auto") else []
     result = {
         "path": "rewind" + (f" ({', '.join(variant)})" if variant else ""),
         "prefill_tps": len(tokens) / (first - start),
@@ -130,7 +130,7 @@ def head_perplexities(model_name: str, text: str) -> dict[str, float]:
 def load_model_off(model_name: str) -> Any:
     from rewind.models.loader import load_model
 
-    return load_model(model_name, cpu_head="off", native_decode="off")
+    return load_model(model_name, cpu_head="off", native_forward="off")
 
 
 def _float_dtypes(model: Any) -> set[Any]:
@@ -261,16 +261,16 @@ def run(args: argparse.Namespace) -> int:
     tokens = prompt_tokens(args.prompt_tokens, vocab)
     rows = []
     print(blas.status())
-    variants = [(args.cpu_head, args.native_decode)]
+    variants = [(args.cpu_head, args.native)]
     if args.also_int8_head:
-        variants.append(("int8", args.native_decode))
+        variants.append(("int8", args.native))
     if args.also_mlx_layers:
         variants.append((args.cpu_head, "off"))
-    for cpu_head, native_decode in variants:
+    for cpu_head, native_form in variants:
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
-        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, cpu_head, native_decode))
+        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, cpu_head, native_form))
         _print_row(rows[-1])
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:

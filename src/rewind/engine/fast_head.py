@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from rewind.engine.native import FORMS, kernel_threads, load_kernels
+from rewind.engine.native_forward import host_view
 
 HeadForm = Literal["bf16", "int8"]
 HEAD_FORMS: tuple[str, ...] = ("bf16", "int8")
@@ -44,7 +45,10 @@ class CpuHead:
         self.threads = threads or kernel_threads()
         self._kernel = kernel
         self._row_scale: np.ndarray | None = None
-        if form == "bf16":
+        if form == "bf16" and weight.dtype == mx.bfloat16:
+            # The model's own table (the tied embedding), read in place: held once.
+            self._weight = np.ascontiguousarray(host_view(weight))
+        elif form == "bf16":
             self._weight = np.ascontiguousarray(np.array(weight.astype(mx.bfloat16).view(mx.uint16)))
         elif form == "int8":
             weight32 = weight.astype(mx.float32)

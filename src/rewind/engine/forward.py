@@ -104,22 +104,14 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
     """Logits [B, vocab] of the last position of tokens [B, T].
 
     Lazy with MLX's head; with a CPU fast head (rewind.engine.fast_head) the backbone is
-    evaluated here and the logits come back materialized. One-token steps go through the CPU
-    decode kernels when the loader installed them (rewind.engine.native_decode).
+    evaluated here and the logits come back materialized. On the CPU the backbone itself may be
+    Rewind's C kernels (rewind.engine.native_forward), installed by the loader.
     """
     split = split_model(model)
     kwargs = _embedding_kwargs(input_embeddings)
     if split is None:
         return model(tokens, cache=cache, **kwargs)[:, -1, :]
-    fast_head = model.__dict__.get("_rewind_fast_head")
-    native = model.__dict__.get("_rewind_native_decoder")
-    if native is not None and tokens.shape[1] == 1 and input_embeddings is None:
-        # One-token step (decode, or a prompt's last token) through the CPU kernels.
-        rows = native.hidden(tokens, cache)
-        if fast_head is not None:
-            return mx.array(fast_head.logits(rows))
-        return split.head(mx.array(rows))
     hidden = split.backbone(tokens, cache=cache, **kwargs)
     # The loader's CPU head (bf16/int8 weights read by a C kernel) when one is installed.
-    head = fast_head or split.head
+    head = model.__dict__.get("_rewind_fast_head") or split.head
     return head(hidden[:, -1, :])

@@ -1,26 +1,34 @@
-"""Decode steps on the CPU through Rewind's C kernels, with attention and the caches left to MLX.
+"""The backbone's forward pass on the CPU through Rewind's C kernels, for any number of tokens:
+prefill chunks, decode steps and a continuous batch, with the KV caches left to MLX.
 
-Why: a decode step of a small model on a CPU is bound by two things MLX's CPU backend does
-poorly. Weights: MLX reads them as float32 (its bf16 and quantized matmuls are slower still), so
-Gemma 3 270M's layers cost 400 MB per token where the bf16 checkpoint holds 200 MB. Graph
-overhead: ~40 nodes per layer at tens of microseconds each, about half the step. Here each layer
-is two C calls (rewind/native/cpu_kernels.c: norms, the stacked q/k/v projection, q/k norms and
-RoPE; then the output projection, residuals and the MLP) around a handful of MLX ops that do
-what must stay MLX: `cache.update_and_fetch` and `scaled_dot_product_attention` with the model's
-own masks. So every cache class (KVCache, RotatingKVCache, their batch forms for continuous
-batching, quantized KV), the prompt cache's snapshots and restores, and trimming all work
-unchanged, and the caches hold exactly what the MLX path would put there.
+Why: MLX's CPU backend is slow for a small model in three ways. Weights: its bf16 and quantized
+matmuls are slower than float32 through BLAS, so the model must be widened to float32 (Gemma 3
+270M: 1.07 GB instead of the 536 MB checkpoint, read at 400 MB per decoded token). Graph
+overhead: ~40 nodes per layer at tens of microseconds each, about half a decode step. Attention:
+its CPU path materializes every score and runs a scalar exp. Here each layer is two C calls
+(rewind/native/cpu_kernels.c: norms, the stacked q/k/v projection, q/k norms and RoPE; then the
+output projection, residuals and the MLP), reading the checkpoint's bf16 weights in place, around
+the KV-cache update, which stays MLX (`cache.update_and_fetch`), and attention through
+rewind/native/attention.c. So every cache class (KVCache, RotatingKVCache, their batch forms,
+quantized KV), the prompt cache's snapshots and restores, and trimming work unchanged, and the
+caches hold float32 keys and values, as MLX's float32 path puts there.
 
-Weights are copied once at load into the form the kernels read: bf16 when every layer weight is
-exactly bf16 (a bf16 checkpoint, as the default model: the products are then the same as the
-float32 path's, up to summation order), float32 otherwise, or int8 with one scale per output row
-when asked for (REWIND_NATIVE_DECODE=int8: half the bytes again, at a measured quality cost).
+How it is reached: `install_native_forward` swaps the backbone's class for a subclass whose
+`__call__` is this forward pass, so every caller of the mlx-lm model (the engine, the prompt
+cache's prefill, perplexity, mlx-lm's own generate) gets it; `remove_native_forward` swaps it
+back.
+
+Weights: bf16 when every layer weight is exactly bf16 (a bf16 checkpoint, as the default model:
+the products are the float32 path's, up to summation order), float32 otherwise, or int8 with one
+scale per output row when asked for (REWIND_NATIVE=int8: half the bytes again, at a measured
+quality cost). In bf16 the stacked q/k/v and gate/up matrices are built once and the MLX modules'
+weights become slices of them, so the checkpoint is held once.
 
 Families: the mlx-lm backbones whose layer is exactly "norm, attention, residual, norm, gated
-MLP, residual" with plain RoPE: gemma3_text (Gemma 3, with its extra norms and 1 + w weights),
-llama, qwen2 (q/k/v biases) and qwen3 (q/k norms); biases anywhere are added after their
-projection. Anything else (other RoPE variants, MoE,
-linear attention, input embeddings for images) keeps MLX's path; `build` returns None for it.
+MLP, residual" with plain RoPE: gemma3_text (Gemma 3, with its extra norms, 1 + w weights and
+scaled embeddings), llama, qwen2 (q/k/v biases) and qwen3 (q/k norms); biases anywhere are added
+after their projection. Anything else (other RoPE variants, MoE, linear attention) keeps MLX's
+path; `install_native_forward` returns None for it.
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ import mlx.nn as nn
 import numpy as np
 
 from rewind.engine import native
+from rewind.engine.cpu_attention import attention as cpu_attention
 
 log = logging.getLogger(__name__)
 
-ENV = "REWIND_NATIVE_DECODE"  # auto | bf16 | f32 | int8 | off
+ENV = "REWIND_NATIVE"  # auto | bf16 | f32 | int8 | off
+OLD_ENV = "REWIND_NATIVE_DECODE"  # its name when only decode steps were native
 DEFAULT_FORM = "auto"
 WEIGHT_FORMS = ("auto", "bf16", "f32", "int8", "off")
+KV_DTYPE = mx.float32  # what the caches hold: the float32 path's keys and values
 
 
 class Unsupported(ValueError):
@@ -61,13 +72,13 @@ def _family(backbone: Any) -> _Family:
         return _Family(gemma=True)
     if isinstance(backbone, (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)):
         return _Family(gemma=False)
-    raise Unsupported(f"no native decode for {type(backbone).__name__}")
+    raise Unsupported(f"no native forward for {type(backbone).__name__}")
 
 
-def _linear_weight(module: Any, what: str) -> tuple[mx.array, mx.array | None]:
+def _linear(module: Any, what: str) -> nn.Linear:
     if not isinstance(module, nn.Linear) or "scales" in module:
         raise Unsupported(f"{what} is not a float Linear ({type(module).__name__})")
-    return module.weight, module.get("bias") if "bias" in module else None
+    return module
 
 
 def _is_bf16_exact(arrays: list[mx.array]) -> bool:
@@ -79,27 +90,47 @@ def _is_bf16_exact(arrays: list[mx.array]) -> bool:
     return True
 
 
-class _Matrix:
-    """One stacked weight in the kernels' form, kept alive with its ctypes view."""
+def host_view(array: mx.array) -> np.ndarray:
+    """A NumPy view of an evaluated MLX array, no copy (bf16 is seen as uint16)."""
+    mx.eval(array)
+    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
-    def __init__(self, parts: list[mx.array], biases: list[mx.array | None], form: str) -> None:
-        weight = mx.concatenate([p.astype(mx.float32) for p in parts], axis=0)
-        self.rows, self.cols = weight.shape
+
+class _Matrix:
+    """Linear layers stacked along their outputs, in the kernels' form, kept alive with the
+    ctypes struct that points at them."""
+
+    def __init__(self, modules: list[nn.Linear], form: str) -> None:
+        parts = [m.weight for m in modules]
         self.scale: np.ndarray | None = None
-        if form == "bf16":
-            self.weight = np.array(weight.astype(mx.bfloat16).view(mx.uint16))
-        elif form == "int8":
-            scale = mx.maximum(mx.abs(weight).max(axis=1), 1e-12) / 127.0
-            self.weight = np.array(mx.clip(mx.round(weight / scale[:, None]), -127, 127)
-                                   .astype(mx.int8))
-            self.scale = np.ascontiguousarray(np.array(scale), dtype=np.float32)
+        if form == "bf16" and all(p.dtype == mx.bfloat16 for p in parts):
+            # Held once: the MLX modules' weights become slices of the stacked matrix.
+            stacked = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            self.weight = host_view(stacked)
+            start = 0
+            for module in modules:
+                rows = module.weight.shape[0]
+                module.weight = stacked[start:start + rows]
+                start += rows
+            mx.eval([m.weight for m in modules])
         else:
-            self.weight = np.array(weight)
+            weight = mx.concatenate([p.astype(mx.float32) for p in parts], axis=0)
+            if form == "bf16":
+                self.weight = np.array(weight.astype(mx.bfloat16).view(mx.uint16))
+            elif form == "int8":
+                scale = mx.maximum(mx.abs(weight).max(axis=1), 1e-12) / 127.0
+                self.weight = np.array(mx.clip(mx.round(weight / scale[:, None]), -127, 127)
+                                       .astype(mx.int8))
+                self.scale = np.ascontiguousarray(np.array(scale), dtype=np.float32)
+            else:
+                self.weight = np.array(weight)
         self.weight = np.ascontiguousarray(self.weight)
+        self.rows, self.cols = self.weight.shape
         self.bias: np.ndarray | None = None
+        biases = [m.bias if "bias" in m else None for m in modules]
         if any(b is not None for b in biases):
-            filled = [b if b is not None else mx.zeros((p.shape[0],))
-                      for p, b in zip(parts, biases)]
+            filled = [b if b is not None else mx.zeros((m.weight.shape[0],))
+                      for m, b in zip(modules, biases)]
             self.bias = np.ascontiguousarray(
                 np.array(mx.concatenate([b.astype(mx.float32) for b in filled])))
         self.struct = native.Matrix(self.weight.ctypes.data,
@@ -129,14 +160,14 @@ class _NativeLayer:
         rope = attn.rope
         if type(rope) is not nn.RoPE:
             raise Unsupported(f"RoPE variant {type(rope).__name__}")
-        weights = {name: _linear_weight(getattr(attn, name), name)
+        linears = {name: _linear(getattr(attn, name), name)
                    for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        weights.update({name: _linear_weight(getattr(mlp, name), name)
+        linears.update({name: _linear(getattr(mlp, name), name)
                         for name in ("gate_proj", "up_proj", "down_proj")})
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
-        self.head_dim = weights["q_proj"][0].shape[0] // self.heads
-        self.hidden = weights["q_proj"][0].shape[1]
-        self.intermediate = weights["gate_proj"][0].shape[0]
+        self.head_dim = linears["q_proj"].weight.shape[0] // self.heads
+        self.hidden = linears["q_proj"].weight.shape[1]
+        self.intermediate = linears["gate_proj"].weight.shape[0]
         self.scale = float(attn.scale)
         plus_one = family.gemma
         eps = float(block.input_layernorm.eps)
@@ -149,12 +180,10 @@ class _NativeLayer:
             self.sliding = bool(getattr(block, "use_sliding", False))
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
-        self.qkv = _Matrix([weights[n][0] for n in ("q_proj", "k_proj", "v_proj")],
-                           [weights[n][1] for n in ("q_proj", "k_proj", "v_proj")], form)
-        self.o = _Matrix([weights["o_proj"][0]], [weights["o_proj"][1]], form)
-        self.gate_up = _Matrix([weights["gate_proj"][0], weights["up_proj"][0]],
-                               [weights["gate_proj"][1], weights["up_proj"][1]], form)
-        self.down = _Matrix([weights["down_proj"][0]], [weights["down_proj"][1]], form)
+        self.qkv = _Matrix([linears[n] for n in ("q_proj", "k_proj", "v_proj")], form)
+        self.o = _Matrix([linears["o_proj"]], form)
+        self.gate_up = _Matrix([linears["gate_proj"], linears["up_proj"]], form)
+        self.down = _Matrix([linears["down_proj"]], form)
         self.vectors = {
             "input_norm": _vector(block.input_layernorm.weight, plus_one),
             "q_norm": _vector(None if q_norm is None else q_norm.weight, plus_one),
@@ -184,9 +213,19 @@ class _NativeLayer:
         return sum(m.nbytes for m in (self.qkv, self.o, self.gate_up, self.down))
 
 
-class NativeDecoder:
-    """hidden = decoder.hidden(tokens [B, 1], cache): the backbone's output for one decode step,
-    as float32 NumPy [B, hidden], with `cache` advanced exactly as the MLX path would."""
+def _offsets(cache: list[Any] | None, batch: int) -> np.ndarray:
+    """Each row's position before this call: a cache's offset (an int, or one per row in the
+    batch cache classes), 0 without a cache."""
+    if not cache or cache[0] is None:
+        return np.zeros(batch, np.int64)
+    offset = cache[0].offset
+    value = np.array(offset, dtype=np.int64).reshape(-1)
+    return np.ascontiguousarray(np.broadcast_to(value, (batch,)))
+
+
+class NativeForward:
+    """forward(inputs [B, L], cache, input_embeddings) -> the backbone's output [B, L, hidden]
+    (final norm applied), float32, with `cache` advanced exactly as the MLX path would."""
 
     def __init__(self, backbone: Any, form: str, kernels: ctypes.CDLL,
                  threads: int | None = None) -> None:
@@ -196,8 +235,7 @@ class NativeDecoder:
         self._backbone = backbone
         threads = threads or native.kernel_threads()
         self.layers = [_NativeLayer(block, family, form, threads) for block in backbone.layers]
-        first = self.layers[0]
-        self.hidden_size = first.hidden
+        self.hidden_size = self.layers[0].hidden
         self.norm = _vector(backbone.norm.weight, family.gemma)
         self.eps = float(backbone.norm.eps)
         self.embed_scale: mx.array | None = None
@@ -206,66 +244,83 @@ class NativeDecoder:
             self.window = backbone.window_size
         else:
             self.window = getattr(backbone, "sliding_window", None)
-        self.dtype = backbone.embed_tokens.weight.dtype  # what the caches hold
-        self._scratch: dict[int, tuple[np.ndarray, ...]] = {}
+        self._scratch: tuple[np.ndarray, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
     def _buffers(self, rows: int) -> tuple[np.ndarray, ...]:
-        if rows not in self._scratch:
+        """Work space for `rows` token rows, grown to the largest call and reused."""
+        if not self._scratch or self._scratch[0].shape[0] < rows:
             widest = max(layer.width for layer in self.layers)
             scratch = max(self.hidden_size + 3 * layer.intermediate for layer in self.layers)
-            self._scratch[rows] = (np.empty((rows, widest), np.float32),
-                                   np.empty((rows, scratch), np.float32),
-                                   np.empty((rows, self.hidden_size), np.float32))
-        return self._scratch[rows]
+            self._scratch = (np.empty((rows, widest), np.float32),
+                             np.empty((rows, scratch), np.float32))
+        return tuple(buffer[:rows] for buffer in self._scratch)
 
-    def _masks(self, rows: int, cache: list[Any]) -> dict[bool, Any]:
+    def _masks(self, batch: int, length: int, cache: list[Any] | None) -> dict[bool, Any]:
+        """The masks mlx-lm's backbone would build: one for full attention, one for windows."""
         from mlx_lm.models.base import create_attention_mask
 
-        shape_only = mx.zeros((rows, 1, 1))
+        shape_only = mx.zeros((batch, length, 1))
         masks: dict[bool, Any] = {}
-        for layer, layer_cache in zip(self.layers, cache):
+        for index, layer in enumerate(self.layers):
             if layer.sliding not in masks:
+                layer_cache = cache[index] if cache else None
                 window = self.window if layer.sliding else None
                 masks[layer.sliding] = create_attention_mask(shape_only, layer_cache,
                                                              window_size=window)
         return masks
 
-    def hidden(self, tokens: mx.array, cache: list[Any]) -> np.ndarray:
+    def _embeddings(self, inputs: mx.array, input_embeddings: mx.array | None) -> mx.array:
+        if input_embeddings is not None:
+            h = input_embeddings
+        else:
+            # Looked up in the stored dtype and widened: exact, as the float32 path's table.
+            h = self._backbone.embed_tokens(inputs).astype(mx.float32)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.astype(h.dtype)
+        return h.astype(mx.float32)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
         from mlx_lm.models.base import scaled_dot_product_attention
 
-        rows = tokens.shape[0]
-        embedded = self._backbone.embed_tokens(tokens.reshape(rows))
-        if self.embed_scale is not None:
-            embedded = embedded * self.embed_scale.astype(embedded.dtype)
-        x = np.array(embedded.astype(mx.float32))  # a fresh, writable copy
-        qkv, scratch, _ = self._buffers(rows)
-        masks = self._masks(rows, cache)
-        offset = cache[0].offset
+        h = self._embeddings(inputs, input_embeddings)
+        batch, length = h.shape[0], h.shape[1]
+        rows = batch * length
+        x = np.array(h.reshape(rows, self.hidden_size))  # a fresh, writable copy
+        qkv, scratch = self._buffers(rows)
+        masks = self._masks(batch, length, cache)
         positions = np.ascontiguousarray(
-            np.broadcast_to(np.array(offset, dtype=np.int64).reshape(-1), (rows,)))
+            (_offsets(cache, batch)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1))
         k = self._kernels
-        for layer, layer_cache in zip(self.layers, cache):
+        for index, layer in enumerate(self.layers):
+            layer_cache = cache[index] if cache else None
             status = k.layer_pre(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
                                  x.ctypes.data, rows, positions.ctypes.data,
                                  layer.inv_freq.ctypes.data, qkv.ctypes.data, scratch.ctypes.data)
             if status:
                 raise RuntimeError(f"layer_pre failed with status {status}")
             heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
-            out = qkv[:, :layer.width]
-            queries = mx.array(out[:, :heads * dim], self.dtype).reshape(rows, heads, 1, dim)
-            keys = mx.array(out[:, heads * dim:(heads + kv) * dim],
-                            self.dtype).reshape(rows, kv, 1, dim)
-            values = mx.array(out[:, (heads + kv) * dim:], self.dtype).reshape(rows, kv, 1, dim)
-            keys, values = layer_cache.update_and_fetch(keys, values)
-            attended = scaled_dot_product_attention(queries, keys, values, cache=layer_cache,
-                                                    scale=layer.scale, mask=masks[layer.sliding])
-            attended = attended.reshape(rows, heads * dim).astype(mx.float32)
-            mx.eval(attended)
-            attended_np = np.ascontiguousarray(np.array(attended, copy=False))
+            out = qkv[:, :layer.width].reshape(batch, length, layer.width)
+
+            def split(start: int, count: int, dtype: Any) -> mx.array:
+                part = mx.array(out[:, :, start * dim:(start + count) * dim], dtype)
+                return part.reshape(batch, length, count, dim).transpose(0, 2, 1, 3)
+
+            queries = split(0, heads, mx.float32)
+            keys, values = split(heads, kv, KV_DTYPE), split(heads + kv, kv, KV_DTYPE)
+            if layer_cache is not None:
+                keys, values = layer_cache.update_and_fetch(keys, values)
+            mask = masks[layer.sliding]
+            attended = cpu_attention(queries, keys, values, layer.scale, mask)
+            if attended is None:  # e.g. a quantized KV cache: MLX's attention
+                attended = scaled_dot_product_attention(queries, keys, values, cache=layer_cache,
+                                                        scale=layer.scale, mask=mask)
+            attended = attended.transpose(0, 2, 1, 3).reshape(rows, heads * dim)
+            attended_np = np.ascontiguousarray(host_view(attended.astype(mx.float32)))
             status = k.layer_post(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
                                   x.ctypes.data, rows, attended_np.ctypes.data,
                                   scratch.ctypes.data)
@@ -274,7 +329,7 @@ class NativeDecoder:
         normed = np.empty_like(x)
         k.rows_rms_norm(x.ctypes.data, self.norm.ctypes.data, self.eps, rows, self.hidden_size,
                         normed.ctypes.data)
-        return normed
+        return mx.array(normed).reshape(batch, length, self.hidden_size)
 
 
 def choose_form(backbone: Any, form: str) -> str:
@@ -289,33 +344,68 @@ def choose_form(backbone: Any, form: str) -> str:
     return "bf16" if _is_bf16_exact(weights) else "f32"
 
 
-def install_native_decoder(model: Any, form: str | None = None) -> NativeDecoder | None:
-    """Give `model` a NativeDecoder used by rewind.engine.forward for one-token steps; None when
-    the kernels or the family are not available (MLX's path then runs, with the same answers)."""
-    from rewind.engine.forward import split_model
+_NATIVE_CLASSES: dict[type, type] = {}
 
-    form = form or os.environ.get(ENV) or DEFAULT_FORM
-    if form == "off":
-        return None
+
+def _native_class(cls: type) -> type:
+    """A subclass of the backbone's class whose call is the native forward pass."""
+    if cls not in _NATIVE_CLASSES:
+        def __call__(self: Any, inputs: mx.array, cache: list[Any] | None = None,
+                     input_embeddings: mx.array | None = None) -> mx.array:
+            return self.__dict__["_rewind_native"](inputs, cache, input_embeddings)
+
+        _NATIVE_CLASSES[cls] = type(f"Native{cls.__name__}", (cls,),
+                                    {"__call__": __call__, "_rewind_mlx_class": cls})
+    return _NATIVE_CLASSES[cls]
+
+
+def requested_form(form: str | None = None) -> str:
+    form = form or os.environ.get(ENV) or os.environ.get(OLD_ENV) or DEFAULT_FORM
     if form not in WEIGHT_FORMS:
         raise ValueError(f"{ENV}={form!r}: expected one of {', '.join(WEIGHT_FORMS)}")
+    return form
+
+
+def install_native_forward(model: Any, form: str | None = None) -> NativeForward | None:
+    """Route `model`'s backbone through the C kernels; None when the kernels or the family are
+    not available (MLX's path then runs, with the same answers)."""
+    from rewind.engine.forward import split_model
+
+    form = requested_form(form)
+    if form == "off":
+        return None
     kernels = native.load_kernels()
     split = split_model(model)
     if kernels is None or split is None:
         return None
+    remove_native_forward(model)  # installing again replaces, never nests
+    backbone = split.backbone
     try:
-        _family(split.backbone)  # before looking at layers: other families have other modules
-        decoder = NativeDecoder(split.backbone, choose_form(split.backbone, form), kernels)
+        _family(backbone)  # before looking at layers: other families have other modules
+        forward = NativeForward(backbone, choose_form(backbone, form), kernels)
     except Unsupported as exc:
-        log.info("native decode not used: %s", exc)
+        log.info("native forward not used: %s", exc)
         return None
-    object.__setattr__(model, "_rewind_native_decoder", decoder)  # outside the parameter tree
-    return decoder
+    object.__setattr__(backbone, "_rewind_native", forward)  # outside the parameter tree
+    backbone.__class__ = _native_class(type(backbone))
+    return forward
 
 
-def native_decoder(model: Any) -> NativeDecoder | None:
-    return model.__dict__.get("_rewind_native_decoder")
+def native_forward(model: Any) -> NativeForward | None:
+    from rewind.engine.forward import split_model
+
+    split = split_model(model)
+    return None if split is None else split.backbone.__dict__.get("_rewind_native")
 
 
-def remove_native_decoder(model: Any) -> None:
-    model.__dict__.pop("_rewind_native_decoder", None)
+def remove_native_forward(model: Any) -> bool:
+    """Give the backbone its MLX call back; True when there was a native one."""
+    from rewind.engine.forward import split_model
+
+    split = split_model(model)
+    backbone = None if split is None else split.backbone
+    if backbone is None or "_rewind_native" not in backbone.__dict__:
+        return False
+    del backbone.__dict__["_rewind_native"]
+    backbone.__class__ = type(backbone)._rewind_mlx_class
+    return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,65 +64,85 @@ def is_cpu_backend() -> bool:
 
 
 def compute_dtype() -> Any:
-    """float32 on CPU (only float32 matmuls reach OpenBLAS; MLX's own bf16/fp16/quantized CPU
-    kernels are several times slower), bfloat16 on Metal and CUDA (half the bytes per token)."""
+    """float32 on CPU (Rewind's C kernels, and BLAS, compute in float32; MLX's own bf16/fp16/
+    quantized CPU kernels are several times slower), bfloat16 on Metal and CUDA (half the bytes
+    per token)."""
     import mlx.core as mx
 
     return mx.float32 if is_cpu_backend() else mx.bfloat16
 
 
-def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None,
-                        native_decode: str | None = None) -> Any:
-    """Set the model's compute dtype for this backend, in place.
-
-    CPU: quantized layers are dequantized (MLX's CPU quantized matmul is no faster than float32
-    through BLAS, so keeping them packed saves memory but costs speed), floats become float32,
-    Gemma 3's tanh-GELU becomes a vectorized one (rewind.models.cpu_activations), and
-    the output projection gets a bf16/int8 copy read by a C kernel for decode (see
-    rewind.engine.fast_head; `cpu_head` "off" keeps MLX's), and one-token steps go through C
-    kernels (rewind.engine.native_decode; `native_decode` or REWIND_NATIVE_DECODE "off" keeps
-    MLX's). GPU: float weights become bfloat16;
-    quantized layers stay quantized (the GPU kernels for them are fast).
-    """
-    import os
-
+def _cast_floats(model: Any, dtype: Any) -> None:
     import mlx.core as mx
     from mlx.utils import tree_map
 
-    target = dtype or compute_dtype()
-    on_cpu = is_cpu_backend()
-    if on_cpu and target == mx.float32:
-        from mlx_lm.utils import dequantize_model
-
-        dequantize_model(model)
-    model.update(tree_map(lambda value: value.astype(target)
+    model.update(tree_map(lambda value: value.astype(dtype)
                           if mx.issubdtype(value.dtype, mx.floating) else value, model.parameters()))
     mx.eval(model.parameters())
-    if on_cpu and os.environ.get(FAST_GELU_ENV, "1") != "0":
+
+
+def use_mlx_layers(model: Any) -> Any:
+    """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
+    (if any) is removed, quantized layers are dequantized and floats widened to float32 (only
+    float32 matmuls reach BLAS), and Gemma 3's tanh-GELU becomes a vectorized one
+    (rewind.models.cpu_activations). For families the C kernels do not implement, and for
+    models whose layers change after loading (rewind.vision.mrope)."""
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+
+    from rewind.engine.native_forward import remove_native_forward
+
+    remove_native_forward(model)
+    dequantize_model(model)
+    _cast_floats(model, mx.float32)
+    if os.environ.get(FAST_GELU_ENV, "1") != "0":
         from rewind.models.cpu_activations import use_fast_gelu
 
         use_fast_gelu(model)
+    return model
+
+
+def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None,
+                        native_forward: str | None = None) -> Any:
+    """Set up the model's compute for this backend, in place.
+
+    CPU: the backbone runs through Rewind's C kernels where the family allows
+    (rewind.engine.native_forward; `native_forward` or REWIND_NATIVE "off" keeps MLX's), reading
+    the stored weights in place; otherwise through MLX's layers widened to float32
+    (`use_mlx_layers`). The output projection gets a bf16/int8 copy read by a C kernel for the
+    logits (rewind.engine.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become
+    bfloat16; quantized layers stay quantized (the GPU kernels for them are fast).
+    """
+    import mlx.core as mx
+
+    target = dtype or compute_dtype()
+    if not is_cpu_backend():
+        _cast_floats(model, target)
+        return model
+    if target != mx.float32:
+        _cast_floats(model, target)
+    else:
+        from rewind.engine.native_forward import install_native_forward
+
+        if install_native_forward(model, native_forward) is None:
+            use_mlx_layers(model)
     head_form = cpu_head or os.environ.get(CPU_HEAD_ENV) or DEFAULT_CPU_HEAD
-    if on_cpu and head_form != "off":
+    if head_form != "off":
         from rewind.engine.fast_head import install_fast_head
 
         install_fast_head(model, head_form)
-    if on_cpu:
-        from rewind.engine.native_decode import install_native_decoder
-
-        install_native_decoder(model, native_decode)
     return model
 
 
 def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
-               native_decode: str | None = None) -> LoadedModel:
+               native_forward: str | None = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
     prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
     from mlx_lm.utils import load
 
     path = resolve(name_or_path)
     model, tokenizer = load(str(path))
-    prepare_for_backend(model, dtype, cpu_head, native_decode)
+    prepare_for_backend(model, dtype, cpu_head, native_forward)
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path))

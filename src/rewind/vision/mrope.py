@@ -15,8 +15,8 @@ frequencies, section layout and rotation are mlx-vlm's (`MRoPERotaryEmbedding`, 
 own Qwen language models use), so the numbers are those of mlx-vlm's models; everything else
 (weights, caches, batching, the prompt cache) stays mlx-lm's.
 
-The CPU decode kernels (rewind.engine.native_decode) rotate by the cache offset, so they are
-removed from a model that gets mrope.
+The CPU kernels (rewind.engine.native_forward) rotate by the cache offset, so a model that gets
+mrope runs MLX's own layers (rewind.models.loader.use_mlx_layers).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def install_mrope(model: Any, layers: Sequence[Any], mrope_section: Sequence[int
                   style: str) -> RopePositions:
     """Replace the rope of every layer in `layers` that has one (full attention; linear-attention
     layers have no positions) with a MultimodalRoPE; idempotent. Returns the model's holder."""
-    from rewind.engine.native_decode import remove_native_decoder
+    from rewind.models.loader import use_mlx_layers
 
     holder = install_positions_holder(model)
     for layer in layers:
@@ -97,5 +97,5 @@ def install_mrope(model: Any, layers: Sequence[Any], mrope_section: Sequence[int
                              "(expected mlx's plain RoPE)")
         attention.rope = MultimodalRoPE(int(rope.dims), float(rope.base), mrope_section, style,
                                         holder)
-    remove_native_decoder(model)
+    use_mlx_layers(model)  # the C kernels rotate by the cache offset, not these positions
     return holder

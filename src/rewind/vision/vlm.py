@@ -334,7 +334,9 @@ class VisionAdapter:
             return per_image[index]
 
         def embed(start: int, end: int) -> Any:
-            hidden = embed_tokens(mx.array([prompt.tokens[start:end]]))
+            # In the compute dtype: the table may be stored narrower (bf16 on the CPU, where the
+            # C kernels read it in place); widening is exact.
+            hidden = embed_tokens(mx.array([prompt.tokens[start:end]])).astype(self.dtype)
             for index, span in enumerate(prompt.spans):
                 lo, hi = max(span.start, start), min(span.end, end)
                 if lo >= hi:
@@ -382,8 +384,9 @@ def adapter_for(loaded: Any, feature_budget_bytes: int | None = None) -> VisionA
     multimodal rotary positions)."""
     if not is_vision_config(loaded.config):
         return None
-    embed = text_embeddings(loaded.model)
-    adapter = load_vision_adapter(loaded.path, loaded.config, embed.weight.dtype, loaded.tokenizer,
+    from rewind.models.loader import compute_dtype
+
+    adapter = load_vision_adapter(loaded.path, loaded.config, compute_dtype(), loaded.tokenizer,
                                   feature_budget_bytes)
     if adapter is not None:
         adapter.family.prepare_language_model(loaded.model)
