@@ -78,3 +78,26 @@ def test_refuses_what_it_does_not_implement() -> None:
     assert attention(q, (k, k, k), (v, v, v), 0.1, None) is None  # a quantized cache's tuples
     with pytest.raises(ValueError, match="mask mode"):
         attention(q, k, v, 0.1, "sideways")
+
+
+def test_mlx_layers_use_the_kernel_and_give_the_same_answer(tiny_model_path, monkeypatch) -> None:
+    """A family without the native forward pass (the hybrid qwen3_5) gets the kernel in its MLX
+    attention layers; its logits are those of mlx-lm's own attention."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from rewind.models.loader import load_model
+
+    loaded = load_model(str(tiny_model_path("qwen3_5")))
+    prompt = mx.array([list(range(3, 150))])
+    calls = []
+    original = native.load_kernels().attention
+    monkeypatch.setattr(native.load_kernels(), "attention", lambda a: calls.append(1) or original(a))
+    with_kernel = loaded.model(prompt, cache=make_prompt_cache(loaded.model))
+    mx.eval(with_kernel)
+    assert calls  # the kernel ran
+    monkeypatch.setenv("REWIND_CPU_ATTENTION", "off")
+    calls.clear()
+    reference = loaded.model(prompt, cache=make_prompt_cache(loaded.model))
+    mx.eval(reference)
+    assert not calls
+    assert float(mx.abs(with_kernel - reference).max()) < TOLERANCE * max(1.0, float(mx.abs(reference).max()))

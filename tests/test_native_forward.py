@@ -39,11 +39,19 @@ FAMILIES = ["gemma3", "llama", *EXTRA_FAMILIES]
 LOGIT_TOLERANCE = 1e-4  # float32 weights: only the order of summation differs
 
 
-def assert_logits_close(got: np.ndarray, expected: np.ndarray) -> None:
+def assert_logits_close(got: np.ndarray, expected: np.ndarray,
+                        tolerance: float = LOGIT_TOLERANCE) -> None:
     """Within float32 summation-order noise, relative to the logits' size (a wrong kernel is off
     by whole units)."""
     scale = max(1.0, float(np.abs(expected).max()))
-    assert np.abs(got - expected).max() < LOGIT_TOLERANCE * scale
+    assert np.abs(got - expected).max() < tolerance * scale
+
+
+@pytest.fixture(autouse=True)
+def mlx_attention_in_mlx_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference is MLX's own layers and attention (the C attention is checked against
+    mx.fast.scaled_dot_product_attention in test_cpu_attention)."""
+    monkeypatch.setenv("REWIND_CPU_ATTENTION", "off")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +152,22 @@ def test_input_embeddings_equal_mlx_path(model_pair, family: str) -> None:
     got, expected = (np.array(loaded.model(mx.array([prompt]), cache=make_prompt_cache(
         loaded.model), input_embeddings=embeddings)[0]) for loaded in (fast, plain))
     assert_logits_close(got, expected)
+
+
+def test_quantized_kv_cache_equals_mlx_path(model_pair) -> None:
+    """--kv-bits: the cache hands packed keys the C attention does not read; MLX's quantized
+    attention runs between the kernels instead."""
+    fast, plain = model_pair("llama")
+    prompt = list(range(3, 110))
+    results = []
+    for loaded in (fast, plain):
+        cache = make_prompt_cache(loaded.model)
+        loaded.model(mx.array([prompt]), cache=cache)
+        cache = [layer.to_quantized(group_size=32, bits=8) for layer in cache]
+        results.append(decode_trace(loaded.model, [7], 12, cache))
+    assert results[0][0] == results[1][0]
+    # Summation-order noise can move a key across an 8-bit rounding step: a thousandth, not more.
+    assert_logits_close(results[0][1], results[1][1], tolerance=1e-3)
 
 
 def test_remove_gives_the_mlx_call_back(tiny_model_path) -> None:

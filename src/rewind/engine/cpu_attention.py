@@ -14,6 +14,7 @@ blocks with an online softmax and skips the blocks a mask rules out.
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -47,8 +48,9 @@ def _mask_arguments(mask: Any, shape: tuple[int, int, int, int]) -> tuple[int, A
     return native.MASK_ADD, mx.broadcast_to(mask.astype(mx.float32), shape)
 
 
-def supported(queries: mx.array, keys: Any, values: Any) -> bool:
-    """Whether the kernel takes these inputs (else use MLX's attention)."""
+def supported(queries: Any, keys: Any, values: Any) -> bool:
+    """Whether the kernel takes these inputs (else use MLX's attention). `queries` may be an MLX
+    array or a NumPy float32 view."""
     if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
         return False  # a quantized cache hands (packed, scales, biases) tuples
     if mx.default_device() != mx.cpu or native.load_kernels() is None:
@@ -62,31 +64,88 @@ def supported(queries: mx.array, keys: Any, values: Any) -> bool:
         queries.shape[-1] % native.vector_width() == 0
 
 
+def attention_into(queries: np.ndarray, keys: mx.array, values: mx.array, scale: float,
+                   mask: Any, out: np.ndarray, threads: int | None = None) -> bool:
+    """The kernel on host buffers: `queries` and `out` are float32 NumPy views [B, heads, L, D]
+    (any strides with a unit last one, e.g. views of a projection's output rows); keys and
+    values are the cache's MLX arrays, evaluated here. False where the kernel does not apply
+    (see `supported`); `out` is then untouched."""
+    if not supported(queries, keys, values):
+        return False
+    batch, heads, length, dim = queries.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    kind, mask_array = _mask_arguments(mask, (batch, heads, length, total))
+    mx.eval(keys, values, *([] if mask_array is None else [mask_array]))
+    k, v = _host(keys), _host(values)
+    if k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize:
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    m = None if mask_array is None else _host(mask_array)
+    args = native.Attention(
+        q=queries.ctypes.data, k=k.ctypes.data, v=v.ctypes.data,
+        qs=_strides(queries), ks=_strides(k), vs=_strides(v),
+        mask=None if m is None else m.ctypes.data,
+        ms=native.Strides4(0, 0, 0, 0) if m is None else _strides(m), mask_kind=kind,
+        out=out.ctypes.data, os=_strides(out),
+        B=batch, heads=heads, kv_heads=kv_heads, L=length, S=total, D=dim,
+        scale=float(scale), kv_form=_KV_FORMS[keys.dtype],
+        threads=threads or native.kernel_threads())
+    return native.load_kernels().attention(ctypes.byref(args)) == 0
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: Any = None, threads: int | None = None) -> mx.array | None:
     """softmax(scale * queries @ keys^T + mask) @ values, [B, heads, L, D] float32; None where
     the kernel does not apply (see `supported`)."""
     if not supported(queries, keys, values):
         return None
-    batch, heads, length, dim = queries.shape
-    kv_heads, total = keys.shape[1], keys.shape[2]
-    kind, mask_array = _mask_arguments(mask, (batch, heads, length, total))
     queries = queries.astype(mx.float32)
-    mx.eval(queries, keys, values, *([] if mask_array is None else [mask_array]))
-    q, k, v = _host(queries), _host(keys), _host(values)
-    if q.strides[-1] != q.itemsize or k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize:
-        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-    m = None if mask_array is None else _host(mask_array)
-    out = np.empty((batch, heads, length, dim), np.float32)
-    args = native.Attention(
-        q=q.ctypes.data, k=k.ctypes.data, v=v.ctypes.data,
-        qs=_strides(q), ks=_strides(k), vs=_strides(v),
-        mask=None if m is None else m.ctypes.data,
-        ms=native.Strides4(0, 0, 0, 0) if m is None else _strides(m), mask_kind=kind,
-        out=out.ctypes.data, B=batch, heads=heads, kv_heads=kv_heads, L=length, S=total, D=dim,
-        scale=float(scale), kv_form=_KV_FORMS[keys.dtype],
-        threads=threads or native.kernel_threads())
-    status = native.load_kernels().attention(ctypes.byref(args))
-    if status != 0:
+    mx.eval(queries)
+    q = _host(queries)
+    if q.strides[-1] != q.itemsize:
+        q = np.ascontiguousarray(q)
+    out = np.empty(queries.shape, np.float32)
+    if not attention_into(q, keys, values, scale, mask, out, threads):
         return None
     return mx.array(out)
+
+
+# REWIND_CPU_ATTENTION=off keeps mlx-lm's own attention in MLX layers (read at each call, so a
+# test can compare against it in the same process).
+ENV = "REWIND_CPU_ATTENTION"
+
+
+def _mlx_layers_attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+                          mask: Any, sinks: Any = None) -> mx.array:
+    """mlx_lm.models.base.scaled_dot_product_attention with the kernel where it applies."""
+    from mlx_lm.models import base
+
+    if (sinks is None and not hasattr(cache, "bits") and os.environ.get(ENV) != "off"
+            and supported(queries, keys, values)):
+        try:
+            out = attention(queries, keys, values, scale, mask)
+        except (RuntimeError, ValueError):  # e.g. inside mx.compile, where nothing may be evaluated
+            out = None
+        if out is not None:
+            return out.astype(queries.dtype)
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                             mask=mask, sinks=sinks)
+
+
+def use_in_mlx_layers(model: Any) -> int:
+    """Route the attention of `model`'s MLX layers through the kernel on the CPU (families the
+    native forward pass does not implement: hybrid linear-attention models, Qwen-VL with
+    multimodal positions). mlx-lm's attention modules call their module's
+    `scaled_dot_product_attention`, so that name is replaced in each module `model` uses; the
+    replacement defers to mlx-lm's for anything the kernel does not take. Returns how many
+    modules were changed."""
+    import sys
+
+    from mlx_lm.models import base
+
+    changed = 0
+    for module in {type(m).__module__ for m in model.modules()}:
+        namespace = sys.modules.get(module)
+        if getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+            namespace.scaled_dot_product_attention = _mlx_layers_attention
+            changed += 1
+    return changed

@@ -9,6 +9,7 @@ compiler, a failed build): callers then keep MLX's path, which gives the same an
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -58,7 +59,7 @@ class Attention(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("qs", Strides4), ("ks", Strides4), ("vs", Strides4),
                 ("mask", ctypes.c_void_p), ("ms", Strides4), ("mask_kind", ctypes.c_int64),
-                ("out", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("os", Strides4),
                 ("B", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("L", ctypes.c_int64), ("S", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("kv_form", ctypes.c_int64),
@@ -101,6 +102,7 @@ def compile_flags() -> list[str] | None:
     return [*_BASE_FLAGS, *_AVX2_FLAGS]
 
 
+@functools.lru_cache(maxsize=1)
 def vector_width() -> int:
     """float32 lanes per vector in the kernels built for this CPU (16 with AVX-512, else 8)."""
     flags = compile_flags() or []

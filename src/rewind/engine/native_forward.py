@@ -45,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 
 from rewind.engine import native
-from rewind.engine.cpu_attention import attention as cpu_attention
+from rewind.engine.cpu_attention import attention_into
 
 log = logging.getLogger(__name__)
 
@@ -251,12 +251,15 @@ class NativeForward:
         return sum(layer.nbytes for layer in self.layers)
 
     def _buffers(self, rows: int) -> tuple[np.ndarray, ...]:
-        """Work space for `rows` token rows, grown to the largest call and reused."""
+        """Work space for `rows` token rows (projections, layer scratch, attention output),
+        grown to the largest call and reused."""
         if not self._scratch or self._scratch[0].shape[0] < rows:
             widest = max(layer.width for layer in self.layers)
             scratch = max(self.hidden_size + 3 * layer.intermediate for layer in self.layers)
+            attended = max(layer.heads * layer.head_dim for layer in self.layers)
             self._scratch = (np.empty((rows, widest), np.float32),
-                             np.empty((rows, scratch), np.float32))
+                             np.empty((rows, scratch), np.float32),
+                             np.empty((rows, attended), np.float32))
         return tuple(buffer[:rows] for buffer in self._scratch)
 
     def _masks(self, batch: int, length: int, cache: list[Any] | None) -> dict[bool, Any]:
@@ -285,44 +288,25 @@ class NativeForward:
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
-        from mlx_lm.models.base import scaled_dot_product_attention
-
         h = self._embeddings(inputs, input_embeddings)
         batch, length = h.shape[0], h.shape[1]
         rows = batch * length
         x = np.array(h.reshape(rows, self.hidden_size))  # a fresh, writable copy
-        qkv, scratch = self._buffers(rows)
+        qkv, scratch, attended = self._buffers(rows)
         masks = self._masks(batch, length, cache)
         positions = np.ascontiguousarray(
             (_offsets(cache, batch)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1))
         k = self._kernels
         for index, layer in enumerate(self.layers):
-            layer_cache = cache[index] if cache else None
             status = k.layer_pre(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
                                  x.ctypes.data, rows, positions.ctypes.data,
                                  layer.inv_freq.ctypes.data, qkv.ctypes.data, scratch.ctypes.data)
             if status:
                 raise RuntimeError(f"layer_pre failed with status {status}")
-            heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
-            out = qkv[:, :layer.width].reshape(batch, length, layer.width)
-
-            def split(start: int, count: int, dtype: Any) -> mx.array:
-                part = mx.array(out[:, :, start * dim:(start + count) * dim], dtype)
-                return part.reshape(batch, length, count, dim).transpose(0, 2, 1, 3)
-
-            queries = split(0, heads, mx.float32)
-            keys, values = split(heads, kv, KV_DTYPE), split(heads + kv, kv, KV_DTYPE)
-            if layer_cache is not None:
-                keys, values = layer_cache.update_and_fetch(keys, values)
-            mask = masks[layer.sliding]
-            attended = cpu_attention(queries, keys, values, layer.scale, mask)
-            if attended is None:  # e.g. a quantized KV cache: MLX's attention
-                attended = scaled_dot_product_attention(queries, keys, values, cache=layer_cache,
-                                                        scale=layer.scale, mask=mask)
-            attended = attended.transpose(0, 2, 1, 3).reshape(rows, heads * dim)
-            attended_np = np.ascontiguousarray(host_view(attended.astype(mx.float32)))
+            self._attention(layer, cache[index] if cache else None, masks[layer.sliding],
+                            qkv, attended, batch, length)
             status = k.layer_post(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
-                                  x.ctypes.data, rows, attended_np.ctypes.data,
+                                  x.ctypes.data, rows, attended.ctypes.data,
                                   scratch.ctypes.data)
             if status:
                 raise RuntimeError(f"layer_post failed with status {status}")
@@ -330,6 +314,37 @@ class NativeForward:
         k.rows_rms_norm(x.ctypes.data, self.norm.ctypes.data, self.eps, rows, self.hidden_size,
                         normed.ctypes.data)
         return mx.array(normed).reshape(batch, length, self.hidden_size)
+
+    @staticmethod
+    def _attention(layer: _NativeLayer, layer_cache: Any, mask: Any, qkv: np.ndarray,
+                   attended: np.ndarray, batch: int, length: int) -> None:
+        """attended [rows, heads * D] = attention of the projected rows in `qkv`, after the new
+        keys and values went into the cache."""
+        from numpy.lib.stride_tricks import as_strided
+
+        heads, kv, dim, width = layer.heads, layer.kv_heads, layer.head_dim, qkv.shape[1]
+        item = qkv.itemsize
+
+        def heads_view(buffer: np.ndarray, first: int, count: int, row_width: int) -> np.ndarray:
+            """[B, count, L, D] view of heads first.. of each row, no copy."""
+            return as_strided(buffer[:, first * dim:], shape=(batch, count, length, dim),
+                              strides=(length * row_width * item, dim * item, row_width * item,
+                                       item))
+
+        keys = mx.array(heads_view(qkv, heads, kv, width), KV_DTYPE)
+        values = mx.array(heads_view(qkv, heads + kv, kv, width), KV_DTYPE)
+        if layer_cache is not None:
+            keys, values = layer_cache.update_and_fetch(keys, values)
+        queries = heads_view(qkv, 0, heads, width)
+        out = heads_view(attended, 0, heads, heads * dim)
+        if attention_into(queries, keys, values, layer.scale, mask, out):
+            return
+        # MLX's attention, e.g. for a quantized KV cache.
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        result = scaled_dot_product_attention(mx.array(queries), keys, values, cache=layer_cache,
+                                              scale=layer.scale, mask=mask)
+        out[...] = np.asarray(result.astype(mx.float32))
 
 
 def choose_form(backbone: Any, form: str) -> str:

@@ -34,7 +34,8 @@ typedef struct {
   const void *mask;            /* [B, heads, L, S] with broadcast strides, or NULL */
   int64_t ms[4];
   int64_t mask_kind;
-  float *out; /* [B, heads, L, D], contiguous */
+  float *out; /* [B, heads, L, D], strides os (the last is 1) */
+  int64_t os[4];
   int64_t B, heads, kv_heads, L, S, D;
   float scale;
   int64_t kv_form; /* FORM_F32 or FORM_BF16 */
@@ -227,7 +228,7 @@ static void attention_item(const void *arg, int64_t item) {
   } else {
     for (int64_t r = 0; r < rows; ++r) {
       int64_t i = q0 + r / rep, head = g * rep + r % rep;
-      float *dst = a->out + ((b * a->heads + head) * L + i) * D;
+      float *dst = a->out + b * a->os[0] + head * a->os[1] + i * a->os[2];
       if (seen[r] == 0.f) continue; /* every key masked: the caller fills it */
       plan->written[(b * a->heads + head) * L + i] = 1;
       float inv = 1.0f / l[r];
@@ -251,7 +252,7 @@ static void mean_values(const Attention *a, int64_t b, int64_t g, float *dst) {
 /* Returns 0, or -1 for shapes it does not take (the caller then uses MLX's attention). */
 int attention(const Attention *a) {
   if (a->B < 1 || a->L < 1 || a->S < 1 || a->kv_heads < 1 || a->heads % a->kv_heads ||
-      a->D % VW || a->qs[3] != 1 || a->ks[3] != 1 || a->vs[3] != 1 ||
+      a->D % VW || a->qs[3] != 1 || a->ks[3] != 1 || a->vs[3] != 1 || a->os[3] != 1 ||
       (a->kv_form != FORM_F32 && a->kv_form != FORM_BF16))
     return -1;
   Plan plan = {.a = a, .rep = a->heads / a->kv_heads};
@@ -283,7 +284,7 @@ int attention(const Attention *a) {
       int64_t q0 = qb * plan.per_block, nq = min64(plan.per_block, a->L - q0);
       for (int64_t r = 0; r < nq * plan.rep; ++r) {
         int64_t i = q0 + r / plan.rep, head = g * plan.rep + r % plan.rep;
-        float *dst = a->out + ((b * a->heads + head) * a->L + i) * a->D;
+        float *dst = a->out + b * a->os[0] + head * a->os[1] + i * a->os[2];
         float best = -INFINITY;
         for (int64_t sp = 0; sp < plan.splits; ++sp) {
           float mv = plan.part_m[(it * plan.splits + sp) * plan.rows_max + r];
@@ -310,7 +311,8 @@ int attention(const Attention *a) {
   for (int64_t bh = 0; bh < a->B * a->heads; ++bh)
     for (int64_t i = 0; i < a->L; ++i) {
       if (!plan.written[bh * a->L + i])
-        mean_values(a, bh / a->heads, (bh % a->heads) / plan.rep, a->out + (bh * a->L + i) * a->D);
+        mean_values(a, bh / a->heads, (bh % a->heads) / plan.rep,
+                    a->out + (bh / a->heads) * a->os[0] + (bh % a->heads) * a->os[1] + i * a->os[2]);
     }
   free(plan.written);
   return 0;
