@@ -25,6 +25,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="registry name or model folder")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                        help="tokens already in the cache before the prompt (an agent's next turn: "
+                             "prefill of new tokens after a long conversation), not timed")
     parser.add_argument("--json", type=Path, default=None,
                         help="JSON output (Markdown beside it); default benchmarks/results/"
                              "speed.json, or speed-no-openblas.json without OpenBLAS")
@@ -35,6 +38,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="Rewind's CPU decode head (default: the loader's, REWIND_CPU_HEAD)")
     parser.add_argument("--also-int8-head", action="store_true",
                         help="also measure Rewind with the int8 CPU decode head")
+    parser.add_argument("--also-int8", action="store_true",
+                        help="also measure Rewind with int8 layers and head (REWIND_NATIVE=int8, "
+                             "REWIND_CPU_HEAD=int8)")
     parser.add_argument("--native", default=None,
                         choices=["auto", "bf16", "f32", "int8", "off"],
                         help="Rewind's CPU kernels for the layers (default: the loader's, "
@@ -57,8 +63,10 @@ def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
 
 
 def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
-                   cpu_head: str | None, native_form: str | None = None) -> dict[str, Any]:
+                   cpu_head: str | None, native_form: str | None = None,
+                   context: list[int] | None = None) -> dict[str, Any]:
     import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
     from rewind.engine.fast_head import fast_head
     from rewind.engine.native_forward import native_forward
@@ -69,14 +77,18 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     model = loaded.model
     for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
         pass
+    cache = make_prompt_cache(model)
+    if context:  # one sampled token, no decode step: the cache holds exactly the context
+        for _ in generate_tokens(model, context, cache=cache, max_tokens=1):
+            pass
     start, cpu_start = time.perf_counter(), time.process_time()
-    stream = generate_tokens(model, tokens, max_tokens=gen_tokens)
+    stream = generate_tokens(model, tokens, cache=cache, max_tokens=gen_tokens)
     next(stream)
     first, cpu_first = time.perf_counter(), time.process_time()
     produced = 1 + sum(1 for _ in stream)
     end, cpu_end = time.perf_counter(), time.process_time()
     head = fast_head(model)
-    decoder = native_forward(model)
+    forward = native_forward(model)
     variant = [f"{cpu_head} head"] if cpu_head not in (None, "auto") else []
     variant += [f"{native_form} layers"] if native_form not in (None, "auto") else []
     result = {
@@ -86,9 +98,10 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
         "generated": produced,
         "prefill_cpu_s": cpu_first - cpu_start,
         "decode_cpu_s": cpu_end - cpu_first,
-        "compute_dtype": str(next(iter(_float_dtypes(model)), "")),
+        "compute_dtype": ("float32 in C kernels" if forward is not None
+                          else str(next(iter(_float_dtypes(model)), ""))),
         "decode_head": head.form if head is not None else "mlx",
-        "decode_layers": decoder.form if decoder is not None else "mlx",
+        "decode_layers": forward.form if forward is not None else "mlx",
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "model_path": str(loaded.path),
     }
@@ -140,10 +153,12 @@ def _float_dtypes(model: Any) -> set[Any]:
     return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
-def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool) -> dict[str, Any]:
+def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,
+                   context: list[int] | None = None) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.generate import stream_generate
+    from mlx_lm.generate import generate_step, stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = load(str(path))
     if float32:
@@ -151,10 +166,16 @@ def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool
     stored = sorted(str(d) for d in _float_dtypes(model))
     for _ in stream_generate(model, tokenizer, tokens[:64], max_tokens=4):  # warm-up
         pass
+    cache = make_prompt_cache(model)
+    if context:  # mlx-lm's own prefill; max_tokens=0 leaves the cache holding the context
+        for _ in generate_step(mx.array(context), model, max_tokens=0, prompt_cache=cache):
+            pass
+        mx.eval([c.state for c in cache])
     last = None
     cpu_start = time.process_time()
     cpu_first = None
-    for last in stream_generate(model, tokenizer, tokens, max_tokens=gen_tokens):
+    for last in stream_generate(model, tokenizer, tokens, max_tokens=gen_tokens,
+                                prompt_cache=cache):
         if cpu_first is None:
             cpu_first = time.process_time()
     cpu_end = time.process_time()
@@ -176,7 +197,8 @@ def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool
     return result
 
 
-def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int) -> dict[str, Any]:
+def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int,
+                      context: int = 0) -> dict[str, Any]:
     """llama.cpp's row, run in its own venv (rewind.bench.servers.LLAMA_CPP_VENV)."""
     import os
     import subprocess
@@ -191,7 +213,8 @@ def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int) -> di
     threads = str(os.cpu_count() or 1)
     cpu_start = _children_cpu()
     done = subprocess.run([str(llama_cpp_python()), str(script), str(gguf), str(prompt_count),
-                           str(gen_tokens), threads], capture_output=True, text=True, check=True)
+                           str(gen_tokens), threads, str(context)], capture_output=True, text=True,
+                          check=True)
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     return {
         "path": "llama.cpp",
@@ -222,7 +245,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Speed: {report['model']} ({report['blas']})",
         "",
-        f"Prompt {report['prompt_tokens']} tokens, {report['gen_tokens']} generated, one sequence.",
+        f"Prompt {report['prompt_tokens']} tokens, {report['gen_tokens']} generated, one sequence"
+        + (f", after {report['context_tokens']} tokens already in the cache (untimed)."
+           if report.get("context_tokens") else "."),
         "",
         f"Command: `{report['command']}`",
         "",
@@ -259,28 +284,33 @@ def run(args: argparse.Namespace) -> int:
     config = json.loads((path / "config.json").read_text())
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)
     tokens = prompt_tokens(args.prompt_tokens, vocab)
+    context = prompt_tokens(args.context, vocab, seed=1) if args.context else None
     rows = []
     print(blas.status())
     variants = [(args.cpu_head, args.native)]
     if args.also_int8_head:
         variants.append(("int8", args.native))
+    if args.also_int8:
+        variants.append(("int8", "int8"))
     if args.also_mlx_layers:
         variants.append((args.cpu_head, "off"))
     for cpu_head, native_form in variants:
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
-        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, cpu_head, native_form))
+        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, cpu_head, native_form,
+                                   context))
         _print_row(rows[-1])
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
-        rows.append(measure_mlx_lm(path, tokens, args.gen_tokens, float32))
+        rows.append(measure_mlx_lm(path, tokens, args.gen_tokens, float32, context))
         _print_row(rows[-1])
     if args.llama_cpp:
-        rows.append(measure_llama_cpp(args.model, args.prompt_tokens, args.gen_tokens))
+        rows.append(measure_llama_cpp(args.model, args.prompt_tokens, args.gen_tokens,
+                                      args.context))
         _print_row(rows[-1])
     openblas = blas.openblas_active()
     out = args.json or RESULTS / ("speed.json" if openblas else "speed-no-openblas.json")
@@ -290,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
+        "context_tokens": args.context,
         "blas": "OpenBLAS" if openblas else "no OpenBLAS (MLX reference BLAS)",
         "rows": rows,
         "machine": machine_info(),
