@@ -19,6 +19,11 @@ features to input embeddings. Supported families:
   rewind.vision.qwen_vl for how those reach mlx-lm's language model.
 - Qwen 3.5 (rewind.vision.qwen_vl.Qwen35Vision): Qwen3-VL's ViT before the hybrid language model
   (gated-delta linear attention + full attention), with the same positions, interleaved.
+- LLaVA (rewind.vision.llava): CLIP or SigLIP tower and projector before a llama; a fixed count
+  of image tokens per image.
+- Pixtral and Mistral 3 (rewind.vision.pixtral): the Pixtral tower at the image's own size; rows
+  of image tokens with a break token between rows (other tokens inside an image's span, see
+  `ImageLayout.tokens`).
 
 Other vision folders are refused with an error that names these (`VisionUnavailableError`);
 their text path still works.
@@ -81,12 +86,18 @@ class ImageSpan:
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """What one image placeholder becomes: `before`, `count` image tokens, then `after`."""
+    """What one image placeholder becomes: `before`, the image's span, then `after`.
+
+    The span is `count` image tokens, or `tokens` where the family puts other tokens between
+    them (Pixtral's row breaks): then `count` of `tokens` are the image token, they take the
+    image's features in order, and the others keep their token embeddings. Either way the
+    whole span carries the image's hash in cache keys."""
 
     before: list[int]
     count: int
     after: list[int]
     grid: tuple[int, int, int] | None = None
+    tokens: list[int] | None = None
 
 
 @dataclass
@@ -107,6 +118,7 @@ class VisionPrompt:
 
     @property
     def image_tokens(self) -> int:
+        """Tokens the images' spans occupy (Pixtral's row breaks included)."""
         return sum(span.end - span.start for span in self.spans)
 
     @property
@@ -201,9 +213,11 @@ class VisionFamily:
 
 def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma3 import Gemma3Vision
+    from rewind.vision.llava import LlavaVision
+    from rewind.vision.pixtral import Mistral3Vision, PixtralVision
     from rewind.vision.qwen_vl import Qwen35Vision, QwenVLVision
 
-    return [Gemma3Vision, QwenVLVision, Qwen35Vision]
+    return [Gemma3Vision, QwenVLVision, Qwen35Vision, LlavaVision, PixtralVision, Mistral3Vision]
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -265,7 +279,10 @@ class VisionAdapter:
         if placeholders != len(images):
             raise ImageError(f"the prompt has {placeholders} image placeholder(s) but "
                              f"{len(images)} image(s) were sent")
-        if any(t == self.family.image_token_id for t in tokens):
+        image_token = self.family.image_token_id
+        # Where the placeholder is the image token itself (LLaVA's <image>, Pixtral's [IMG]),
+        # every occurrence is a placeholder and the count check above covers it.
+        if placeholder != image_token and any(t == image_token for t in tokens):
             raise ImageError("the prompt contains the model's image token as text")
         out: list[int] = []
         spans: list[ImageSpan] = []
@@ -279,7 +296,13 @@ class VisionAdapter:
             before = len(out)
             out.extend(layout.before)
             start = len(out)
-            out.extend([self.family.image_token_id] * layout.count)
+            if layout.tokens is None:
+                out.extend([image_token] * layout.count)
+            else:
+                if sum(1 for t in layout.tokens if t == image_token) != layout.count:
+                    raise ValueError(f"an image layout of {layout.count} image tokens holds "
+                                     "another number of them")
+                out.extend(layout.tokens)
             spans.append(ImageSpan(start, len(out), images[index], layout.grid))
             out.extend(layout.after)
             shifts.append((position, len(out) - before - 1))
@@ -322,15 +345,24 @@ class VisionAdapter:
         import mlx.core as mx
 
         per_image: dict[int, Any] = {}
+        image_token = self.family.image_token_id
 
         def image_embeddings(index: int) -> Any:
+            """[span length, hidden]: one row per position of the span."""
             if index not in per_image:
                 span = prompt.spans[index]
+                span_tokens = prompt.tokens[span.start:span.end]
+                at = [i for i, token in enumerate(span_tokens) if token == image_token]
                 raw = self.features(span.image, None if pixels is None else pixels[index])
-                if raw.shape[0] != span.end - span.start:
-                    raise ValueError(f"image {index} gave {raw.shape[0]} features for a span of "
-                                     f"{span.end - span.start} tokens")
-                per_image[index] = self.family.to_embeddings(raw)
+                if raw.shape[0] != len(at):
+                    raise ValueError(f"image {index} gave {raw.shape[0]} features for "
+                                     f"{len(at)} image tokens")
+                embeddings = self.family.to_embeddings(raw).astype(self.dtype)
+                if len(at) != len(span_tokens):  # other tokens inside the span keep theirs
+                    rows = embed_tokens(mx.array(span_tokens)).astype(self.dtype)
+                    rows[mx.array(at)] = embeddings
+                    embeddings = rows
+                per_image[index] = embeddings
             return per_image[index]
 
         def embed(start: int, end: int) -> Any:
