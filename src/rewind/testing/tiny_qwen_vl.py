@@ -34,6 +34,7 @@ from rewind.testing.tiny_models import (
     _family_config,
     train_tokenizer,
 )
+from rewind.testing.tiny_vlm import save_random_vlm
 
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -131,27 +132,10 @@ def _preprocessor_config() -> dict[str, Any]:
 def build_tiny_qwen_vl_model(out_dir: Path, model_type: str = "qwen2_5_vl", seed: int = SEED,
                              gain: float = WEIGHT_GAIN) -> Path:
     """Write the tiny `model_type` (MODEL_TYPES) model into `out_dir` and return `out_dir`."""
-    import importlib
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from rewind.vision.vlm import vlm_model_config
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     special_ids = train_tokenizer(out_dir, QWEN_VL_SPECIAL_TOKENS)
     config = tiny_qwen_vl_config(special_ids, model_type)
-    mx.random.seed(seed)
-    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
-    model = module.Model(vlm_model_config(config))
-    weights = {}
-    for name, value in tree_flatten(model.parameters()):
-        if name.startswith("language_model.") and value.ndim >= 2:
-            value = value * gain  # as tiny_models: matrices scaled so greedy sequences vary
-        weights[name] = value.astype(mx.float32)
-    mx.eval(weights)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_random_vlm(config, out_dir, seed, gain)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2))
     return out_dir
