@@ -4,35 +4,34 @@ image at the same place, two images, a restore inside an image span), batched or
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
+from vision_helpers import (
+    TIMEOUT,
+    assert_same,
+    batched_equals_alone,
+    encode,
+    generation,
+    image_prompt,
+    picture,
+    prefix_of,
+    reference,
+)
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
 
 from rewind.cache import PromptCache  # noqa: E402
 from rewind.config import BLOCK_TOKENS, CacheConfig, EngineConfig  # noqa: E402
-from rewind.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from rewind.engine import Engine  # noqa: E402
 from rewind.models.loader import load_model  # noqa: E402
 from rewind.testing.tiny_vision import BOI, IMAGE_TOKENS, build_tiny_vision_model  # noqa: E402
-from rewind.vision.images import DecodedImage, ImageError, image_from_bytes  # noqa: E402
-from rewind.vision.prompting import ImagePrompt, prepare_image_prompt  # noqa: E402
+from rewind.vision.images import ImageError  # noqa: E402
+from rewind.vision.prompting import prepare_image_prompt  # noqa: E402
 from rewind.vision.vlm import adapter_for  # noqa: E402
-
-TIMEOUT = 120
-FILLER = "An agent reads a long conversation again and again, and each turn adds a tool result. "
-
-
-def picture(seed: int, size: tuple[int, int] = (320, 240)) -> DecodedImage:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, "PNG")
-    return image_from_bytes(buffer.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -40,50 +39,6 @@ def vision(tmp_path_factory):
     folder = build_tiny_vision_model(tmp_path_factory.mktemp("tiny-vision"))
     loaded = load_model(str(folder))
     return loaded, adapter_for(loaded)
-
-
-def encode(loaded, text: str) -> list[int]:
-    return list(loaded.tokenizer.encode(text, add_special_tokens=False))
-
-
-def prefix_of(loaded, length: int) -> list[int]:
-    """About `length` tokens of plain text (exactly `length` after the cut)."""
-    tokens = encode(loaded, FILLER * (length // 10 + 2))
-    assert len(tokens) >= length
-    return tokens[:length]
-
-
-def image_prompt(vision, parts: list, checkpoints: list[int] | None = None) -> ImagePrompt:
-    """parts: token lists, strings, or DecodedImage (one placeholder each), in order."""
-    loaded, adapter = vision
-    tokens: list[int] = []
-    images: list[DecodedImage] = []
-    for part in parts:
-        if isinstance(part, DecodedImage):
-            tokens.append(adapter.boi_token_id)
-            images.append(part)
-        elif isinstance(part, str):
-            tokens += encode(loaded, part)
-        else:
-            tokens += part
-    return prepare_image_prompt(adapter, loaded.model, tokens, images, checkpoints or [len(tokens)])
-
-
-def request(prompt: ImagePrompt, max_tokens: int = 6) -> GenerationRequest:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=3)
-    return GenerationRequest(prompt.tokens, params, prompt.checkpoints, prompt.extras,
-                             embed=prompt.embed)
-
-
-def reference(vision, prompt: ImagePrompt, max_tokens: int = 6):
-    with Engine(vision[0], EngineConfig(parallel=1)) as engine:
-        return engine.generate(request(prompt, max_tokens), TIMEOUT)
-
-
-def assert_same(result, expected) -> None:
-    assert result.finish.reason == expected.finish.reason, result.finish.error
-    assert result.tokens == expected.tokens
-    np.testing.assert_allclose(result.logprobs, expected.logprobs, atol=2e-3)
 
 
 @pytest.fixture
@@ -171,8 +126,8 @@ def test_placeholders_must_match_the_images(vision):
 def test_repeated_image_prompt_restores_its_whole_prefix(vision, cached_engine):
     prompt = image_prompt(vision, [prefix_of(vision[0], 300), picture(6), " describe it"])
     expected = reference(vision, prompt)
-    first = cached_engine.generate(request(prompt), TIMEOUT)
-    second = cached_engine.generate(request(prompt), TIMEOUT)
+    first = cached_engine.generate(generation(prompt), TIMEOUT)
+    second = cached_engine.generate(generation(prompt), TIMEOUT)
     assert first.finish.usage.cached_tokens == 0
     assert second.finish.usage.cached_tokens == len(prompt.tokens) - 1
     assert_same(first, expected)
@@ -183,10 +138,10 @@ def test_next_turn_after_an_image(vision, cached_engine):
     loaded = vision[0]
     image = picture(7)
     turn1 = image_prompt(vision, [prefix_of(loaded, 200), image, " describe it"])
-    answer = cached_engine.generate(request(turn1, 8), TIMEOUT)
+    answer = cached_engine.generate(generation(turn1, 8), TIMEOUT)
     turn2 = image_prompt(vision, [prefix_of(loaded, 200), image, " describe it", answer.tokens,
                                   " and now the colours?"])
-    second = cached_engine.generate(request(turn2), TIMEOUT)
+    second = cached_engine.generate(generation(turn2), TIMEOUT)
     assert second.finish.usage.cached_tokens == len(turn1.tokens) + len(answer.tokens) - 1
     assert_same(second, reference(vision, turn2))
 
@@ -197,8 +152,8 @@ def test_another_image_at_the_same_place_misses_from_its_first_block(vision, cac
     other = image_prompt(vision, [prefix, picture(9), " describe it"])
     assert first.tokens == other.tokens  # the same placeholder tokens: only the pixels differ
     span_start = other.prompt.spans[0].start
-    cached_engine.generate(request(first), TIMEOUT)
-    result = cached_engine.generate(request(other), TIMEOUT)
+    cached_engine.generate(generation(first), TIMEOUT)
+    result = cached_engine.generate(generation(other), TIMEOUT)
     # The 256-token block before the image is shared; the block holding the image is not.
     assert result.finish.usage.cached_tokens == (span_start // BLOCK_TOKENS) * BLOCK_TOKENS == 256
     expected = reference(vision, other)
@@ -212,12 +167,12 @@ def test_two_images_repeat_and_change_the_second(vision, cached_engine):
     text = prefix_of(loaded, 150)
     both = image_prompt(vision, [text, a, " versus ", text, b, " compare them"])
     changed = image_prompt(vision, [text, a, " versus ", text, c, " compare them"])
-    cached_engine.generate(request(both), TIMEOUT)
-    again = cached_engine.generate(request(both), TIMEOUT)
+    cached_engine.generate(generation(both), TIMEOUT)
+    again = cached_engine.generate(generation(both), TIMEOUT)
     assert again.finish.usage.cached_tokens == len(both.tokens) - 1
     assert_same(again, reference(vision, both))
     second_start = changed.prompt.spans[1].start
-    result = cached_engine.generate(request(changed), TIMEOUT)
+    result = cached_engine.generate(generation(changed), TIMEOUT)
     assert result.finish.usage.cached_tokens == (second_start // BLOCK_TOKENS) * BLOCK_TOKENS
     assert result.finish.usage.cached_tokens > changed.prompt.spans[0].end  # past the first image
     assert_same(result, reference(vision, changed))
@@ -233,8 +188,8 @@ def test_restore_that_stops_inside_an_image_span(vision, cached_engine):
     other = image_prompt(vision, [prefix, image, " another question entirely"])
     span = other.prompt.spans[0]
     assert span.start < BLOCK_TOKENS < span.end
-    cached_engine.generate(request(first), TIMEOUT)
-    result = cached_engine.generate(request(other), TIMEOUT)
+    cached_engine.generate(generation(first), TIMEOUT)
+    result = cached_engine.generate(generation(other), TIMEOUT)
     assert result.finish.usage.cached_tokens == BLOCK_TOKENS
     assert_same(result, reference(vision, other))
 
@@ -242,11 +197,11 @@ def test_restore_that_stops_inside_an_image_span(vision, cached_engine):
 def test_tower_output_is_reused_when_the_prompt_cache_misses(vision, cached_engine):
     loaded, adapter = vision
     image = picture(14)
-    cached_engine.generate(request(image_prompt(vision, ["first system text ", image, " hi"])),
+    cached_engine.generate(generation(image_prompt(vision, ["first system text ", image, " hi"])),
                            TIMEOUT)
     runs = adapter.tower_runs
     other_prefix = image_prompt(vision, ["another system text ", image, " hi"])
-    result = cached_engine.generate(request(other_prefix), TIMEOUT)
+    result = cached_engine.generate(generation(other_prefix), TIMEOUT)
     assert result.finish.usage.cached_tokens < other_prefix.prompt.spans[0].start
     assert adapter.tower_runs == runs  # features came from the LRU
     assert_same(result, reference(vision, other_prefix))
@@ -258,26 +213,7 @@ def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
         image_prompt(vision, [prefix_of(loaded, 90), picture(15), " describe it"]),
         image_prompt(vision, ["short ", picture(16), " and ", picture(17), " compare"]),
     ]
-    texts = [encode(loaded, FILLER * 3), encode(loaded, "def fibonacci(n: int) -> int:")]
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-
-    def all_requests() -> list[GenerationRequest]:
-        image_requests = [request(p, 10) for p in prompts]
-        text_requests = [GenerationRequest(t, params) for t in texts]
-        return [image_requests[0], text_requests[0], image_requests[1], text_requests[1]]
-
-    with Engine(loaded, EngineConfig(parallel=1)) as engine:
-        alone = [engine.generate(r, TIMEOUT).tokens for r in all_requests()]
-    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
-                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
-    try:
-        with Engine(loaded, EngineConfig(parallel=4), prompt_cache) as engine:
-            handles = [engine.submit(r) for r in all_requests()]
-            together = [h.collect(TIMEOUT) for h in handles]
-    finally:
-        prompt_cache.close()
-    assert all(c.finish.reason == "length" for c in together), [c.finish.error for c in together]
-    assert [c.tokens for c in together] == alone
+    batched_equals_alone(vision, prompts, tmp_path)
 
 
 def test_without_mlx_vlm_a_vision_folder_says_what_to_install(vision, monkeypatch):

@@ -5,17 +5,27 @@ the same place, two images, a restore inside an image span), batched with text r
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
+from vision_helpers import (
+    FILLER,
+    TIMEOUT,
+    assert_same,
+    batched_equals_alone,
+    encode,
+    generation,
+    image_prompt,
+    picture,
+    prefix_of,
+    reference,
+)
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
 
 from rewind.cache import PromptCache  # noqa: E402
 from rewind.config import BLOCK_TOKENS, CacheConfig, EngineConfig  # noqa: E402
@@ -23,23 +33,8 @@ from rewind.engine import Engine, GenerationRequest, SamplingParams  # noqa: E40
 from rewind.engine.positions import given_positions  # noqa: E402
 from rewind.models.loader import load_model  # noqa: E402
 from rewind.testing.tiny_qwen_vl import build_tiny_qwen_vl_model  # noqa: E402
-from rewind.vision.images import DecodedImage, image_from_bytes  # noqa: E402
-from rewind.vision.prompting import ImagePrompt, prepare_image_prompt  # noqa: E402
-from rewind.vision.vlm import (  # noqa: E402
-    VisionUnavailableError,
-    adapter_for,
-    load_vision_adapter,
-)
-
-TIMEOUT = 120
-FILLER = "An agent reads a long conversation again and again, and each turn adds a tool result. "
-
-
-def picture(seed: int, size: tuple[int, int] = (320, 240)) -> DecodedImage:
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, "PNG")
-    return image_from_bytes(buffer.getvalue())
+from rewind.vision.prompting import ImagePrompt  # noqa: E402
+from rewind.vision.vlm import adapter_for  # noqa: E402
 
 
 def build(tmp_path_factory, model_type: str):
@@ -61,50 +56,6 @@ def vision_qwen2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vision_qwen35(tmp_path_factory):
     return build(tmp_path_factory, "qwen3_5")
-
-
-def encode(loaded, text: str) -> list[int]:
-    return list(loaded.tokenizer.encode(text, add_special_tokens=False))
-
-
-def prefix_of(loaded, length: int) -> list[int]:
-    tokens = encode(loaded, FILLER * (length // 10 + 2))
-    return tokens[:length]
-
-
-def image_prompt(vision, parts: list, checkpoints: list[int] | None = None) -> ImagePrompt:
-    """parts: token lists, strings, or DecodedImage (one placeholder each), in order."""
-    loaded, adapter = vision
-    tokens: list[int] = []
-    images: list[DecodedImage] = []
-    for part in parts:
-        if isinstance(part, DecodedImage):
-            tokens.append(adapter.placeholder_id)
-            images.append(part)
-        elif isinstance(part, str):
-            tokens += encode(loaded, part)
-        else:
-            tokens += part
-    return prepare_image_prompt(adapter, loaded.model, tokens, images, checkpoints or [len(tokens)])
-
-
-def generation(prompt: ImagePrompt, max_tokens: int = 8, delta: int | None = None
-            ) -> GenerationRequest:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=3)
-    return GenerationRequest(prompt.tokens, params, prompt.checkpoints, prompt.extras,
-                             embed=prompt.embed, positions=prompt.positions,
-                             position_delta=prompt.position_delta if delta is None else delta)
-
-
-def reference(vision, prompt: ImagePrompt, max_tokens: int = 8):
-    with Engine(vision[0], EngineConfig(parallel=1)) as engine:
-        return engine.generate(generation(prompt, max_tokens), TIMEOUT)
-
-
-def assert_same(result, expected) -> None:
-    assert result.finish.reason == expected.finish.reason, result.finish.error
-    assert result.tokens == expected.tokens
-    np.testing.assert_allclose(result.logprobs, expected.logprobs, atol=2e-3)
 
 
 @pytest.fixture
@@ -230,13 +181,6 @@ def test_text_request_on_a_qwen_vl_model_is_plain_text(vision):
     assert result.tokens[0] == int(mx.argmax(logits[0, -1]).item())
 
 
-def test_unsupported_vision_family_names_the_supported_ones(tmp_path):
-    config = {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}}
-    with pytest.raises(VisionUnavailableError, match=r"'llava' is not supported.*Gemma 3.*"
-                                                     r"qwen2_5_vl"):
-        load_vision_adapter(tmp_path, config, mx.float32)
-
-
 # ---- the engine and the prompt cache ----------------------------------------------------------
 
 
@@ -321,26 +265,7 @@ def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
         image_prompt(vision, ["short ", picture(16, (200, 330)), " and ", picture(17), " compare"]),
     ]
     assert prompts[0].position_delta != prompts[1].position_delta
-    texts = [encode(loaded, FILLER * 3), encode(loaded, "def fibonacci(n: int) -> int:")]
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-
-    def all_requests() -> list[GenerationRequest]:
-        image_requests = [generation(p, 10) for p in prompts]
-        text_requests = [GenerationRequest(t, params) for t in texts]
-        return [image_requests[0], text_requests[0], image_requests[1], text_requests[1]]
-
-    with Engine(loaded, EngineConfig(parallel=1)) as engine:
-        alone = [engine.generate(r, TIMEOUT).tokens for r in all_requests()]
-    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
-                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
-    try:
-        with Engine(loaded, EngineConfig(parallel=4), prompt_cache) as engine:
-            handles = [engine.submit(r) for r in all_requests()]
-            together = [h.collect(TIMEOUT) for h in handles]
-    finally:
-        prompt_cache.close()
-    assert all(c.finish.reason == "length" for c in together), [c.finish.error for c in together]
-    assert [c.tokens for c in together] == alone
+    batched_equals_alone(vision, prompts, tmp_path)
 
 
 def test_qwen2_vl_repeat_from_the_cache(vision_qwen2, tmp_path):

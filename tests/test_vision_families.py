@@ -1,0 +1,253 @@
+"""LLaVA, Pixtral and Mistral 3 image prompts (1-D positions; input embeddings only): the prompt
+layout and pixels equal mlx-vlm's own processors' (Pixtral's row breaks included), embeddings,
+logits and greedy decode equal mlx-vlm's own model, and the prompt cache never changes an
+answer (repeat, a restore inside an image span, the next turn, another image at the same place),
+batched with text requests or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vision_helpers import (
+    TIMEOUT,
+    assert_same,
+    batched_equals_alone,
+    generation,
+    image_prompt,
+    picture,
+    prefix_of,
+    reference,
+)
+
+pytest.importorskip("mlx_vlm")
+pytest.importorskip("PIL")
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rewind.cache import PromptCache  # noqa: E402
+from rewind.config import BLOCK_TOKENS, CacheConfig, EngineConfig  # noqa: E402
+from rewind.engine import Engine  # noqa: E402
+from rewind.models.loader import load_model  # noqa: E402
+from rewind.testing.tiny_vlm import (  # noqa: E402
+    IMG_BREAK,
+    IMG_END,
+    LLAVA_IMAGE_TOKENS,
+    MODEL_TYPES,
+    build_tiny_vlm_model,
+)
+from rewind.vision.vlm import (  # noqa: E402
+    VisionUnavailableError,
+    adapter_for,
+    load_vision_adapter,
+)
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def vision(request, tmp_path_factory):
+    model_type = request.param
+    folder = build_tiny_vlm_model(tmp_path_factory.mktemp(f"tiny-{model_type}"), model_type)
+    loaded = load_model(str(folder))
+    return loaded, adapter_for(loaded)
+
+
+def model_type(vision) -> str:
+    return vision[0].config["model_type"]
+
+
+def processed_by_mlx_vlm(vision, text: str, images: list) -> dict:
+    """mlx-vlm's own processor for the folder (its prompt expansion and pixels)."""
+    from mlx_vlm.utils import load_processor
+
+    loaded, _ = vision
+    processor = load_processor(Path(loaded.path))
+    out = processor(text=text, images=[image.rgb() for image in images])
+    return {key: np.array(value) for key, value in out.items()}
+
+
+def mlx_vlm_embeddings(reference_model, processed: dict):
+    kwargs = {}
+    if "image_sizes" in processed:
+        kwargs["image_sizes"] = [tuple(int(v) for v in size) for size in processed["image_sizes"]]
+    return reference_model.get_input_embeddings(
+        mx.array(processed["input_ids"]), mx.array(processed["pixel_values"]), **kwargs
+    ).inputs_embeds
+
+
+def two_image_text(vision) -> str:
+    loaded, adapter = vision
+    placeholder = loaded.tokenizer.convert_ids_to_tokens(adapter.placeholder_id)
+    return f"Look: {placeholder} and then {placeholder} compare them"
+
+
+def _parts(vision, text: str, images: list) -> list:
+    """The text with its placeholders (BOS first, as the tokenizer encodes it) as image_prompt
+    parts."""
+    loaded, adapter = vision
+    parts: list = []
+    tokens = list(loaded.tokenizer.encode(text))
+    index = 0
+    run: list[int] = []
+    for token in tokens:
+        if token == adapter.placeholder_id:
+            parts += [run, images[index]]
+            run, index = [], index + 1
+        else:
+            run.append(token)
+    return [*parts, run]
+
+
+# ---- the adapter against mlx-vlm --------------------------------------------------------------
+
+
+def test_layout_and_pixels_equal_mlx_vlm_processor(vision):
+    """Two images of different sizes: the expanded tokens are what mlx-vlm's processor writes
+    for the same text, and each image's pixels are its (unpadded) pixels."""
+    loaded, adapter = vision
+    images = [picture(1), picture(2, (200, 330))]
+    text = two_image_text(vision)
+    processed = processed_by_mlx_vlm(vision, text, images)
+    prompt = adapter.expand(list(loaded.tokenizer.encode(text)), images)
+    assert prompt.tokens == processed["input_ids"][0].tolist()
+    for index, (image, span) in enumerate(zip(images, prompt.spans)):
+        ours = adapter.preprocess(image)
+        pixels = ours[0] if isinstance(ours, tuple) else ours
+        height, width = pixels.shape[:2]
+        theirs = processed["pixel_values"][index][:, :height, :width].transpose(1, 2, 0)
+        np.testing.assert_allclose(pixels, theirs, atol=1e-6)
+        span_tokens = prompt.tokens[span.start:span.end]
+        image_tokens = sum(1 for t in span_tokens if t == adapter.image_token_id)
+        if model_type(vision) == "llava":
+            assert span_tokens == [adapter.image_token_id] * LLAVA_IMAGE_TOKENS
+            continue
+        # Pixtral / Mistral 3: rows of image tokens, [IMG_BREAK] between rows, [IMG_END] after.
+        token_px = adapter.token_pixels
+        rows, columns = height // token_px, width // token_px
+        assert (image_tokens, len(span_tokens)) == (rows * columns, rows * columns + rows - 1)
+        row_break = loaded.tokenizer.convert_tokens_to_ids(IMG_BREAK)
+        assert [i for i, t in enumerate(span_tokens) if t == row_break] == [
+            (columns + 1) * row - 1 for row in range(1, rows)]
+        assert prompt.tokens[span.end] == loaded.tokenizer.convert_tokens_to_ids(IMG_END)
+    if model_type(vision) == "mistral3":
+        # 320x240 fits 224 px as 224x168: 8 columns and 6 rows of 28 px tokens.
+        assert prompt.spans[0].end - prompt.spans[0].start == 6 * 8 + 5
+
+
+def test_embeddings_and_logits_equal_mlx_vlm(vision):
+    """Our split (mlx-vlm's tower and projector -> embeddings -> mlx-lm's language model)
+    computes what mlx-vlm's whole model computes from its own processor's output."""
+    from mlx_vlm.utils import load_model as load_vlm
+
+    loaded, adapter = vision
+    images = [picture(3), picture(4, (200, 330))]
+    text = two_image_text(vision)
+    processed = processed_by_mlx_vlm(vision, text, images)
+    reference_model = load_vlm(Path(loaded.path))
+    expected_embeddings = mlx_vlm_embeddings(reference_model, processed)
+    prompt = image_prompt(vision, _parts(vision, text, images))
+    ours = prompt.embed(0, len(prompt.tokens))
+    np.testing.assert_allclose(np.array(ours), np.array(expected_embeddings), atol=1e-5)
+    ids = mx.array([prompt.tokens])
+    expected = reference_model.language_model(ids, inputs_embeds=expected_embeddings).logits
+    logits = loaded.model(ids, input_embeddings=ours)
+    np.testing.assert_allclose(np.array(logits), np.array(expected), atol=1e-3)
+    # The image matters (this test can fail): another picture changes the last logits.
+    other = image_prompt(vision, _parts(vision, text, [picture(5), images[1]]))
+    changed = loaded.model(ids, input_embeddings=other.embed(0, len(other.tokens)))
+    assert np.abs(np.array(changed[0, -1]) - np.array(logits[0, -1])).max() > 0.1
+
+
+def test_greedy_decode_after_the_image_equals_mlx_vlm(vision):
+    """mlx-vlm's language model prefilled with its own embeddings, then decoded greedily with
+    its caches: the engine gives the same tokens and log-probabilities."""
+    from mlx_lm.models.cache import KVCache
+    from mlx_vlm.utils import load_model as load_vlm
+
+    loaded, adapter = vision
+    prompt = image_prompt(vision, [prefix_of(loaded, 40), picture(6), " describe it"])
+    reference_model = load_vlm(Path(loaded.path))
+    language = reference_model.language_model
+    cache = (language.make_cache() if hasattr(language, "make_cache")
+             else [KVCache() for _ in language.model.layers])
+    embeddings = prompt.embed(0, len(prompt.tokens))  # equal to mlx-vlm's (the test above)
+    logits = language(mx.array([prompt.tokens]), inputs_embeds=embeddings, cache=cache).logits
+    expected, expected_logprobs = [], []
+    for _ in range(8):
+        token = int(mx.argmax(logits[0, -1]).item())
+        expected.append(token)
+        expected_logprobs.append(float(nn.log_softmax(logits[0, -1].astype(mx.float32))[token]))
+        logits = language(mx.array([[token]]), cache=cache).logits
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        ours = engine.generate(generation(prompt), TIMEOUT)
+    assert ours.tokens == expected
+    np.testing.assert_allclose(ours.logprobs, expected_logprobs, atol=2e-3)
+
+
+def test_unsupported_vision_family_names_the_supported_ones(tmp_path):
+    config = {"model_type": "idefics3", "vision_config": {"model_type": "idefics3_vision"}}
+    with pytest.raises(VisionUnavailableError, match=r"'idefics3' is not supported.*Gemma 3.*"
+                                                     r"qwen2_5_vl.*llava.*pixtral.*mistral3"):
+        load_vision_adapter(tmp_path, config, mx.float32)
+
+
+def test_llava_with_a_language_model_mlx_lm_cannot_load_is_refused(tmp_path):
+    config = {"model_type": "llava", "text_config": {"model_type": "qwen2"},
+              "vision_config": {"model_type": "clip_vision_model"}}
+    with pytest.raises(VisionUnavailableError, match="'qwen2' language model"):
+        load_vision_adapter(tmp_path, config, mx.float32)
+
+
+# ---- the engine and the prompt cache ----------------------------------------------------------
+
+
+def test_prompt_cache_never_changes_an_image_answer(vision, tmp_path):
+    """A repeat restores the whole prefix; a restore that stops inside the image span prefills
+    the rest of it (Pixtral's break tokens included) from the image's features; the next turn
+    restores the answer; another image at the same place misses from its first block."""
+    loaded, _ = vision
+    image = picture(7)
+    prefix = prefix_of(loaded, 230)
+    first = image_prompt(vision, [prefix, image, " first question, about the shapes"])
+    other = image_prompt(vision, [prefix, image, " another question entirely"])
+    span = other.prompt.spans[0]
+    assert span.start < BLOCK_TOKENS < span.end
+    late = prefix_of(loaded, 300)
+    swapped = [image_prompt(vision, [late, picture(seed), " describe it"]) for seed in (8, 9)]
+    assert swapped[0].tokens == swapped[1].tokens  # same size: only the pixels differ
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            answer = engine.generate(generation(first), TIMEOUT)
+            again = engine.generate(generation(first), TIMEOUT)
+            inside = engine.generate(generation(other), TIMEOUT)
+            turn2 = image_prompt(vision, [prefix, image, " first question, about the shapes",
+                                          answer.tokens, " and the colours?"])
+            second = engine.generate(generation(turn2), TIMEOUT)
+            engine.generate(generation(swapped[0]), TIMEOUT)
+            replaced = engine.generate(generation(swapped[1]), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    assert answer.finish.usage.cached_tokens == 0
+    assert again.finish.usage.cached_tokens == len(first.tokens) - 1
+    assert inside.finish.usage.cached_tokens == BLOCK_TOKENS
+    assert second.finish.usage.cached_tokens == len(first.tokens) + len(answer.tokens) - 1
+    assert replaced.finish.usage.cached_tokens == BLOCK_TOKENS  # the span starts at 300
+    assert_same(answer, reference(vision, first))
+    assert_same(again, reference(vision, first))
+    assert_same(inside, reference(vision, other))
+    assert_same(second, reference(vision, turn2))
+    expected = reference(vision, swapped[1])
+    assert_same(replaced, expected)
+    assert expected.tokens != reference(vision, swapped[0]).tokens  # the image does matter
+
+
+def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
+    loaded = vision[0]
+    prompts = [
+        image_prompt(vision, [prefix_of(loaded, 90), picture(15), " describe it"]),
+        image_prompt(vision, ["short ", picture(16, (200, 330)), " and ", picture(17),
+                              " compare"]),
+    ]
+    batched_equals_alone(vision, prompts, tmp_path)

@@ -1,0 +1,162 @@
+"""Helpers shared by the vision-family tests: seeded pictures, image prompts through the real
+adapter, engine requests for them, and the answer text of an OpenAI completion.
+
+`vision` is a (LoadedModel, VisionAdapter) pair, as the tests' fixtures build it."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from rewind.config import CacheConfig, EngineConfig, ServerConfig
+from rewind.engine import Engine, GenerationRequest, SamplingParams
+from rewind.vision.images import DecodedImage, image_from_bytes
+from rewind.vision.prompting import ImagePrompt, prepare_image_prompt
+
+TIMEOUT = 120
+FILLER = "An agent reads a long conversation again and again, and each turn adds a tool result. "
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (320, 240)) -> bytes:
+    """A PNG of seeded noise, `size` = (width, height)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def picture(seed: int, size: tuple[int, int] = (320, 240)) -> DecodedImage:
+    return image_from_bytes(png_bytes(seed, size))
+
+
+def png_base64(seed: int, size: tuple[int, int] = (320, 240)) -> str:
+    return base64.b64encode(png_bytes(seed, size)).decode()
+
+
+def encode(loaded, text: str) -> list[int]:
+    return list(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+
+def prefix_of(loaded, length: int) -> list[int]:
+    """Exactly `length` tokens of plain text."""
+    tokens = encode(loaded, FILLER * (length // 10 + 2))
+    assert len(tokens) >= length
+    return tokens[:length]
+
+
+def image_prompt(vision, parts: list, checkpoints: list[int] | None = None) -> ImagePrompt:
+    """parts: token lists, strings, or DecodedImage (one placeholder each), in order."""
+    loaded, adapter = vision
+    tokens: list[int] = []
+    images: list[DecodedImage] = []
+    for part in parts:
+        if isinstance(part, DecodedImage):
+            tokens.append(adapter.placeholder_id)
+            images.append(part)
+        elif isinstance(part, str):
+            tokens += encode(loaded, part)
+        else:
+            tokens += part
+    return prepare_image_prompt(adapter, loaded.model, tokens, images, checkpoints or [len(tokens)])
+
+
+def generation(prompt: ImagePrompt, max_tokens: int = 8, delta: int | None = None
+               ) -> GenerationRequest:
+    """A greedy request for `prompt` with its embeddings (and 3-D positions where it has them);
+    `delta` overrides the position delta of generated tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=3)
+    return GenerationRequest(prompt.tokens, params, prompt.checkpoints, prompt.extras,
+                             embed=prompt.embed, positions=prompt.positions,
+                             position_delta=prompt.position_delta if delta is None else delta)
+
+
+def reference(vision, prompt: ImagePrompt, max_tokens: int = 8):
+    """The answer without any prompt cache, alone in the engine."""
+    with Engine(vision[0], EngineConfig(parallel=1)) as engine:
+        return engine.generate(generation(prompt, max_tokens), TIMEOUT)
+
+
+def assert_same(result, expected) -> None:
+    assert result.finish.reason == expected.finish.reason, result.finish.error
+    assert result.tokens == expected.tokens
+    np.testing.assert_allclose(result.logprobs, expected.logprobs, atol=2e-3)
+
+
+def batched_equals_alone(vision, prompts: list[ImagePrompt], scratch: Path) -> None:
+    """The image prompts and two text prompts, interleaved in one continuous batch (with a
+    prompt cache in `scratch`), give the greedy tokens each gives alone."""
+    from rewind.cache import PromptCache
+
+    loaded = vision[0]
+    texts = [encode(loaded, FILLER * 3), encode(loaded, "def fibonacci(n: int) -> int:")]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+
+    def all_requests() -> list[GenerationRequest]:
+        requests = [generation(p, 10) for p in prompts]
+        for index, text in enumerate(texts):
+            requests.insert(2 * index + 1, GenerationRequest(text, params))
+        return requests
+
+    with Engine(loaded, EngineConfig(parallel=1)) as engine:
+        alone = [engine.generate(r, TIMEOUT).tokens for r in all_requests()]
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=scratch, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, EngineConfig(parallel=len(alone)), prompt_cache) as engine:
+            handles = [engine.submit(r) for r in all_requests()]
+            together = [h.collect(TIMEOUT) for h in handles]
+    finally:
+        prompt_cache.close()
+    assert all(c.finish.reason == "length" for c in together), [c.finish.error for c in together]
+    assert [c.tokens for c in together] == alone
+
+
+def user_with_image(seed: int, size: tuple[int, int] = (320, 240)) -> list[dict]:
+    url = f"data:image/png;base64,{png_base64(seed, size)}"
+    return [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def answer(completion) -> str:
+    """The whole answer text: the tiny tokenizer's chat template has <think> tags, so a random
+    model's text may come back as reasoning_content."""
+    message = completion.choices[0].message
+    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+
+
+def streamed_answer(stream) -> str:
+    """The whole answer text of a streamed OpenAI chat completion (reasoning included)."""
+    return "".join((getattr(chunk.choices[0].delta, "reasoning_content", None) or "")
+                   + (chunk.choices[0].delta.content or "") for chunk in stream if chunk.choices)
+
+
+@contextmanager
+def live_vision_server(loaded, scratch: Path) -> Iterator[tuple[object, str, Engine]]:
+    """The live HTTP server (uvicorn on loopback) over `loaded` with a prompt cache in
+    `scratch`: yields the real `openai` client, the model name and the engine."""
+    import openai
+    from live_server import serve_on_free_port
+
+    from rewind.cache.prompt_cache import PromptCache
+    from rewind.server.app import create_app
+
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=scratch, disk_bytes=64 << 20))
+    engine = Engine(loaded, EngineConfig(parallel=2), prompt_cache).start()
+    url, server, thread = serve_on_free_port(create_app(loaded, engine, ServerConfig(),
+                                                        prompt_cache))
+    try:
+        yield (openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0),
+               str(loaded.name), engine)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+        prompt_cache.close()
