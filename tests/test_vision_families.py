@@ -1,8 +1,9 @@
-"""LLaVA, Pixtral and Mistral 3 image prompts (1-D positions; input embeddings only): the prompt
-layout and pixels equal mlx-vlm's own processors' (Pixtral's row breaks included), embeddings,
-logits and greedy decode equal mlx-vlm's own model, and the prompt cache never changes an
-answer (repeat, a restore inside an image span, the next turn, another image at the same place),
-batched with text requests or not."""
+"""LLaVA, Pixtral and Mistral 3 (with Mistral's or Ministral 3's text model) image prompts
+(1-D positions; input embeddings only): the prompt layout and pixels equal mlx-vlm's own
+processors' (Pixtral's row breaks included), embeddings, logits and greedy decode equal
+mlx-vlm's own model, and the prompt cache never changes an answer (repeat, a restore inside an
+image span, the next turn, another image at the same place), batched with text requests or
+not."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from rewind.testing.tiny_vlm import (  # noqa: E402
     IMG_BREAK,
     IMG_END,
     LLAVA_IMAGE_TOKENS,
-    MODEL_TYPES,
+    VARIANTS,
     build_tiny_vlm_model,
 )
 from rewind.vision.vlm import (  # noqa: E402
@@ -44,10 +45,10 @@ from rewind.vision.vlm import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module", params=MODEL_TYPES)
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def vision(request, tmp_path_factory):
-    model_type = request.param
-    folder = build_tiny_vlm_model(tmp_path_factory.mktemp(f"tiny-{model_type}"), model_type)
+    variant = request.param
+    folder = build_tiny_vlm_model(tmp_path_factory.mktemp(f"tiny-{variant}"), variant)
     loaded = load_model(str(folder))
     return loaded, adapter_for(loaded)
 

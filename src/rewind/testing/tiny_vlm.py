@@ -1,6 +1,6 @@
 """Tiny random-weight LLaVA, Pixtral and Mistral 3 model folders, for vision tests.
 
-`build_tiny_vlm_model(out_dir, model_type)` writes the layout of an mlx-vlm conversion:
+`build_tiny_vlm_model(out_dir, variant)` writes the layout of an mlx-vlm conversion:
 config.json (`text_config` and `vision_config` nested, the image token index), one safetensors
 file holding `language_model.*`, `vision_tower.*` and `multi_modal_projector.*`, a tokenizer with
 the family's image tokens, and the image processor's preprocessor_config.json. Both loaders read
@@ -17,6 +17,8 @@ Sizes: the language model is tiny_models' llama (4 layers, 64 wide, 4 heads), wi
   8 rows of 10 tokens (and 7 [IMG_BREAK], then [IMG_END]).
 - mistral3: Pixtral tower in 14 px patches merged 2x2 (28 px a token), images fit in 224 px: a
   320x240 image is 6 rows of 8 tokens.
+- ministral3: the mistral3 folder with Ministral 3's text model (mlx-lm's `ministral3`: yarn
+  rope and Llama 4 attention scaling by position, past 64 positions here).
 
 Built in about a second; everything is seeded. `save_random_vlm` is the shared part (mlx-vlm's
 whole model with seeded weights, saved as one file), also used by rewind.testing.tiny_qwen_vl.
@@ -42,7 +44,9 @@ from rewind.testing.tiny_models import (
     train_tokenizer,
 )
 
-MODEL_TYPES = ("llava", "pixtral", "mistral3")
+# Each variant's folder model_type; "ministral3" is a Mistral 3 folder with Ministral 3's text.
+VARIANTS = {"llava": "llava", "pixtral": "pixtral", "mistral3": "mistral3",
+            "ministral3": "mistral3"}
 LLAVA_IMAGE = "<image>"
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 LLAVA_IMAGE_TOKENS = 64
@@ -73,12 +77,22 @@ def save_random_vlm(config: dict[str, Any], out_dir: Path, seed: int = SEED,
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _text_config(model_type: str) -> dict[str, Any]:
+def _text_config(variant: str) -> dict[str, Any]:
     text = _family_config("llama")
     text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
-    if model_type != "llava":
+    if variant in ("pixtral", "mistral3"):
         text["model_type"] = "mistral"  # as Pixtral and Mistral Small 3.1 name their text model
         text["architectures"] = ["MistralForCausalLM"]
+    elif variant == "ministral3":
+        # Ministral 3's form (yarn, attention scaled by position), with small lengths so the
+        # scaling changes within a test's prompts.
+        text["model_type"] = "ministral3"
+        text["architectures"] = ["Ministral3ForCausalLM"]
+        text["rope_parameters"] = {
+            "rope_type": "yarn", "type": "yarn", "rope_theta": text.pop("rope_theta"),
+            "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 64}
     return text
 
 
@@ -93,10 +107,11 @@ def _vision_config(model_type: str) -> dict[str, Any]:
             "patch_size": patch_size, "rope_theta": 10000.0}
 
 
-def tiny_vlm_config(special_ids: dict[str, int], model_type: str = "llava") -> dict[str, Any]:
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}")
-    text = _text_config(model_type)
+def tiny_vlm_config(special_ids: dict[str, int], variant: str = "llava") -> dict[str, Any]:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
+    model_type = VARIANTS[variant]
+    text = _text_config(variant)
     ids = {"bos_token_id": special_ids[BOS], "pad_token_id": special_ids[PAD],
            "eos_token_id": [special_ids[TURN_END], special_ids[EOS]]}
     text["eos_token_id"] = ids["eos_token_id"]
@@ -146,15 +161,15 @@ def _processor_files(model_type: str, vision: dict[str, Any]) -> dict[str, dict[
             "image_token": IMG, "image_break_token": IMG_BREAK, "image_end_token": IMG_END}}
 
 
-def build_tiny_vlm_model(out_dir: Path, model_type: str = "llava", seed: int = SEED,
+def build_tiny_vlm_model(out_dir: Path, variant: str = "llava", seed: int = SEED,
                          gain: float = WEIGHT_GAIN) -> Path:
-    """Write the tiny `model_type` (MODEL_TYPES) model into `out_dir` and return `out_dir`."""
+    """Write the tiny `variant` (VARIANTS) model into `out_dir` and return `out_dir`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    image_tokens = [LLAVA_IMAGE] if model_type == "llava" else [IMG, IMG_BREAK, IMG_END]
+    image_tokens = [LLAVA_IMAGE] if variant == "llava" else [IMG, IMG_BREAK, IMG_END]
     special_ids = train_tokenizer(out_dir, [*SPECIAL_TOKENS, *image_tokens])
-    config = tiny_vlm_config(special_ids, model_type)
+    config = tiny_vlm_config(special_ids, variant)
     save_random_vlm(config, out_dir, seed, gain)
-    for name, content in _processor_files(model_type, config["vision_config"]).items():
+    for name, content in _processor_files(config["model_type"], config["vision_config"]).items():
         (out_dir / name).write_text(json.dumps(content, indent=2))
     return out_dir
