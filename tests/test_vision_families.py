@@ -185,6 +185,14 @@ def test_greedy_decode_after_the_image_equals_mlx_vlm(vision):
     np.testing.assert_allclose(ours.logprobs, expected_logprobs, atol=2e-3)
 
 
+def test_the_language_model_takes_the_engines_backbone_then_head_path(vision):
+    """Prefill computes the logits of the last position only (mlx-lm's llama under the names
+    `mistral` and `ministral3` included), not the whole vocabulary at every image token."""
+    from rewind.engine.forward import split_model
+
+    assert split_model(vision[0].model) is not None
+
+
 def test_unsupported_vision_family_names_the_supported_ones(tmp_path):
     config = {"model_type": "idefics3", "vision_config": {"model_type": "idefics3_vision"}}
     with pytest.raises(VisionUnavailableError, match=r"'idefics3' is not supported.*Gemma 3.*"

@@ -21,7 +21,10 @@ import mlx.core as mx
 # model_type values whose top-level __call__ is `self.model(...)` followed by the output head
 # (tied embedding `as_linear` or `lm_head`) and nothing else (no soft-capping, no logit scale).
 # Checked against mlx-lm 0.32's model files; add a family only after reading its Model.__call__.
-_BACKBONE_THEN_HEAD = frozenset({"llama", "qwen2", "qwen3", "gemma3_text", "qwen3_5"})
+# "mistral" is mlx-lm's llama class under another name (Mistral text models, and the language
+# model of Pixtral and Mistral 3 vision folders); "ministral3" is Ministral 3's.
+_BACKBONE_THEN_HEAD = frozenset({"llama", "mistral", "ministral3", "qwen2", "qwen3",
+                                 "gemma3_text", "qwen3_5"})
 
 
 @dataclass(frozen=True)
