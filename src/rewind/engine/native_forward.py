@@ -63,16 +63,27 @@ class Unsupported(ValueError):
 @dataclass
 class _Family:
     gemma: bool  # 1 + w norm weights, post-attention / post-MLP norms, scaled embeddings, GELU
+    module: Any  # the mlx-lm model file: its Attention and MLP classes are the ones implemented
 
 
 def _family(backbone: Any) -> _Family:
+    """Exact classes only: a subclass (another model's) may compute differently; one of Rewind's
+    own that computes the same says so in `_rewind_computes_as`."""
     from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
-    if isinstance(backbone, gemma3_text.Gemma3Model):
-        return _Family(gemma=True)
-    if isinstance(backbone, (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)):
-        return _Family(gemma=False)
-    raise Unsupported(f"no native forward for {type(backbone).__name__}")
+    families = {gemma3_text.Gemma3Model: _Family(True, gemma3_text),
+                llama.LlamaModel: _Family(False, llama), qwen2.Qwen2Model: _Family(False, qwen2),
+                qwen3.Qwen3Model: _Family(False, qwen3)}
+    family = families.get(type(backbone))
+    if family is None:
+        raise Unsupported(f"no native forward for {type(backbone).__name__}")
+    for block in backbone.layers:
+        for part, expected in ((block.self_attn, family.module.Attention),
+                               (block.mlp, family.module.MLP)):
+            if getattr(type(part), "_rewind_computes_as", type(part)) is not expected:
+                raise Unsupported(f"{type(part).__name__} is not {family.module.__name__}'s "
+                                  f"{expected.__name__}")
+    return family
 
 
 def _linear(module: Any, what: str) -> nn.Linear:

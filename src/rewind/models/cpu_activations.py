@@ -71,8 +71,11 @@ def _fast_gelu_mlp_call(self: Any, x: mx.array) -> mx.array:
 def _make_mlp_class() -> type:
     from mlx_lm.models import gemma3_text
 
+    # `_rewind_computes_as`: the function is gemma3_text.MLP's (to float32 rounding), which the
+    # C kernels (rewind.engine.native_forward) implement themselves.
     return type("_FastGeluMLP", (gemma3_text.MLP,), {"__call__": _fast_gelu_mlp_call,
-                                                     "__module__": __name__})
+                                                     "__module__": __name__,
+                                                     "_rewind_computes_as": gemma3_text.MLP})
 
 
 _FastGeluMLP = _make_mlp_class()
