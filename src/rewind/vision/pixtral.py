@@ -21,6 +21,7 @@ caches.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,19 @@ class PixtralVision(VisionFamily):
         self.merge_size = self._merge_size()
         self.image_token_id = int(self.model_config.image_token_index)
         self.placeholder_id = self.image_token_id
-        self.break_token_id = self._token_id(IMAGE_BREAK)
-        self.end_token_id = self._token_id(IMAGE_END)
+        names = self._processor_config()
+        self.break_token_id = self._token_id(names.get("image_break_token", IMAGE_BREAK))
+        self.end_token_id = self._token_id(names.get("image_end_token", IMAGE_END))
         self.processor = PixtralImageProcessor.from_pretrained(str(self.path))
         self.tower, self.projector = self._load()
 
     def _merge_size(self) -> int:
         return 1
+
+    def _processor_config(self) -> dict[str, Any]:
+        # The processor's token names, where the folder renames them (mlx-vlm reads them here).
+        path = self.path / "processor_config.json"
+        return json.loads(path.read_text()) if path.exists() else {}
 
     def _token_id(self, token: str) -> int:
         found = None if self.tokenizer is None else self.tokenizer.convert_tokens_to_ids(token)
@@ -86,6 +93,7 @@ class PixtralVision(VisionFamily):
         return LlavaMultiModalProjector(self.model_config)
 
     def _load(self) -> tuple[Any, Any]:
+        import mlx.core as mx
         from mlx_vlm.models.pixtral.vision import VisionModel
 
         weights = self.load_weights(["vision_tower.", "multi_modal_projector."])
@@ -97,8 +105,6 @@ class PixtralVision(VisionFamily):
         # The tower's rotary table is a plain array, not a parameter: built lazily on this
         # thread, it would fail on the engine thread ("no Stream in current thread") unless
         # evaluated here.
-        import mlx.core as mx
-
         mx.eval(tower.vision_model.patch_positional_embedding.inv_freq)
         return tower, projector
 
