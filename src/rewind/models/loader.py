@@ -162,10 +162,13 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
     prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
     from mlx_lm.utils import load
 
+    from rewind.models.folder_quirks import model_config_overrides
+
     path = resolve(name_or_path)
-    model, tokenizer = load(str(path))
+    config = json.loads((path / "config.json").read_text())
+    # Fields some folders leave to transformers' defaults (llava-hf's LLaVA 1.5 text sizes).
+    model, tokenizer = load(str(path), model_config=model_config_overrides(config) or None)
     prepare_for_backend(model, dtype, cpu_head, native_forward)
     release_free_heap()
-    config = json.loads((path / "config.json").read_text())
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path))

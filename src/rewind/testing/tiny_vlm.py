@@ -50,6 +50,10 @@ VARIANTS = {"llava": "llava", "pixtral": "pixtral", "mistral3": "mistral3",
 LLAVA_IMAGE = "<image>"
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 LLAVA_IMAGE_TOKENS = 64
+# Text fields a llava-hf LLaVA 1.5 config may leave to transformers' defaults, where the default
+# is also the tiny model's value (so mlx-vlm's defaults agree); rms_norm_eps is one mlx-lm
+# requires. The 7B's config leaves its sizes out too, but their defaults are the 7B's.
+TEXT_DEFAULTED = ("rms_norm_eps", "rope_theta", "max_position_embeddings")
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
@@ -162,13 +166,22 @@ def _processor_files(model_type: str, vision: dict[str, Any]) -> dict[str, dict[
 
 
 def build_tiny_vlm_model(out_dir: Path, variant: str = "llava", seed: int = SEED,
-                         gain: float = WEIGHT_GAIN) -> Path:
-    """Write the tiny `variant` (VARIANTS) model into `out_dir` and return `out_dir`."""
+                         gain: float = WEIGHT_GAIN, text_defaults: bool = False) -> Path:
+    """Write the tiny `variant` (VARIANTS) model into `out_dir` and return `out_dir`.
+
+    `text_defaults` (llava only): leave TEXT_DEFAULTED out of `text_config`, as llava-hf's
+    LLaVA 1.5 configs leave the text model's fields to transformers' defaults (the tiny values
+    equal those defaults, so the model is the same)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     image_tokens = [LLAVA_IMAGE] if variant == "llava" else [IMG, IMG_BREAK, IMG_END]
     special_ids = train_tokenizer(out_dir, [*SPECIAL_TOKENS, *image_tokens])
     config = tiny_vlm_config(special_ids, variant)
+    if text_defaults:
+        if variant != "llava":
+            raise ValueError("text_defaults is LLaVA 1.5's quirk: variant must be llava")
+        for name in TEXT_DEFAULTED:
+            del config["text_config"][name]
     save_random_vlm(config, out_dir, seed, gain)
     for name, content in _processor_files(config["model_type"], config["vision_config"]).items():
         (out_dir / name).write_text(json.dumps(content, indent=2))

@@ -1,0 +1,57 @@
+"""What some model folders leave out of config.json that mlx-lm's loader needs.
+
+transformers fills absent config fields from each config class's defaults; mlx-lm reads
+config.json as it is and requires the sizes. `model_config_overrides(config)` returns the fields
+to hand mlx-lm's loader (its `model_config`, which replaces top-level keys) so such folders load
+as transformers would build them; an empty dict for every other folder.
+
+Known quirks:
+
+- LLaVA 1.5 from llava-hf (`model_type` "llava"): `text_config` names the llama's model type,
+  context length and vocabulary but leaves its sizes to transformers' `LlamaConfig` defaults
+  (the 7B sizes). Only the absent fields are filled, so a folder that states them is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# transformers' LlamaConfig defaults for the fields mlx-lm's llama needs (the LLaVA 1.5 7B
+# language model). max_position_embeddings is 4096 as in llava-hf's configs and mlx-vlm's LLaVA
+# text defaults (LlamaConfig's own is 2048); a llama without rope scaling does not read it.
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+}
+LLAMA_VOCAB_SIZE = 32000  # LlamaConfig's, when the folder gives none at either level
+
+
+def _llava_text_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        return {}
+    text = dict(text or {})
+    # LlavaConfig builds a llama when text_config names no model type.
+    if text.get("model_type", "llama") != "llama":
+        return {}
+    defaults = {"model_type": "llama", **LLAMA_DEFAULTS,
+                "vocab_size": config.get("vocab_size", LLAMA_VOCAB_SIZE)}
+    missing = {key: value for key, value in defaults.items() if key not in text}
+    if not missing:
+        return {}
+    return {"text_config": {**text, **missing}}
+
+
+_QUIRKS = {"llava": _llava_text_defaults}
+
+
+def model_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level config.json keys to replace for mlx-lm's loader; {} when the folder needs
+    none."""
+    quirk = _QUIRKS.get(config.get("model_type"))
+    return quirk(config) if quirk is not None else {}
