@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from rewind.cache import BlockExtras, PromptCache, prefill_with_cache
@@ -286,10 +287,9 @@ def test_corrupted_record_on_disk(tiny: Tiny, tmp_path: Path, kind: str) -> None
     cache.flush()
     if kind == "kv":  # the spine record of the second block: the chain breaks at 256
         key, limit = cache.point_keys(first.tokens[:512])["kv"], 256
-    else:  # the window / state record at the prompt's last checkpoint (kv for llama)
+    else:  # the state record at the prompt's last checkpoint (its kv record where none)
         keys = cache.point_keys(first.tokens[: len(first.tokens) - 1])
-        key = keys["window"] if cache.store.contains(keys["window"]) else keys["state"]
-        key = key if cache.store.contains(key) else keys["kv"]
+        key = keys["state"] if cache.store.contains(keys["state"]) else keys["kv"]
         limit = len(first.tokens) - 2
     cache.store._debug_corrupt(key)
     got = answer(tiny.model, second, cache)
@@ -417,4 +417,23 @@ def test_real_model(tmp_path: Path) -> None:
     got = answer(loaded.model, rewound, cache)  # an exact repeat, from disk
     reference.check(rewound, got)
     assert got.disk_tokens == got.restored == len(rewound.tokens) - 1
+    cache.close()
+
+
+def test_checkpoint_after_the_window_moved_on_stores_nothing_it_cannot_rebuild(tiny: Tiny) -> None:
+    """A checkpoint taken long after the prefill passed its blocks (no checkpoint on the way):
+    the sliding layers no longer hold those blocks' rows, so nothing is stored from there on,
+    and a restore still gives the uncached answer."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    prompt = tiny.prompts[0]
+    if not any(isinstance(layer, RotatingKVCache) for layer in make_prompt_cache(tiny.model)):
+        pytest.skip("no sliding-window layers in this family")
+    cache = PromptCache(tiny.model, "tiny", ram_only())
+    live = prefill_with_cache(tiny.model, prompt.tokens[:-1], None).cache  # no checkpoints
+    cache.checkpoint(prompt.tokens[:-1], live)
+    assert cache.stats()["blocks_past_window"] == 1
+    got = answer(tiny.model, prompt, cache)
+    tiny.reference.check(prompt, got)
+    assert got.restored == 0
     cache.close()

@@ -30,7 +30,37 @@ def _prompt(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-def _feed(model, tokens: list[int], cache: list, chunk: int = 256) -> mx.array:
+class Recorder:
+    """Snapshots each full block when the cache reaches its end, as the engine's checkpoints
+    do (a sliding window only holds its last rows), then the point itself."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.chain = BlockChain(tokens, ROOT)
+        self.records: dict[int, object] = {}  # block end -> record
+
+    def passed(self, cache: list) -> None:
+        offset = rec.cache_offset(cache)
+        for block in self.chain.full:
+            if block.end == offset and block.end not in self.records:
+                self.records[block.end] = rec.snapshot_kv(cache, block, "x")
+
+    def parts(self, cache: list, tokens: list[int] | None = None) -> rec.RestoreParts:
+        """Every record a restore at len(tokens) needs; `tokens` may extend the recorded ones
+        (a decode went on), whose full blocks keep their records."""
+        if tokens is not None:
+            self.tokens, self.chain = tokens, BlockChain(tokens, ROOT)
+        point = self.chain.at(len(self.tokens))
+        blocks = [block for block in self.chain.full if block.end <= point.start]
+        blocks.append(point)  # a full point is the last full block itself
+        spine = [self.records.get(block.end) if not block.partial and block.end in self.records
+                 else rec.snapshot_kv(cache, block, "x") for block in blocks]
+        return rec.RestoreParts(end=len(self.tokens), kv=spine,
+                                state=rec.snapshot_state(cache, len(self.tokens)))
+
+
+def _feed(model, tokens: list[int], cache: list, chunk: int = 256,
+          recorder: Recorder | None = None) -> mx.array:
     """Prefill in chunks ending on multiples of `chunk`; the last position's logits."""
     position, logits = 0, None
     while position < len(tokens):
@@ -38,34 +68,25 @@ def _feed(model, tokens: list[int], cache: list, chunk: int = 256) -> mx.array:
         logits = model(mx.array([tokens[position:end]]), cache=cache)[:, -1, :]
         mx.eval(logits, [c.state for c in cache])
         position = end
+        if recorder is not None:
+            recorder.passed(cache)
     return logits
 
 
-def _decode(model, cache: list, first: int, steps: int) -> tuple[list[int], mx.array]:
+def _decode(model, cache: list, first: int, steps: int,
+            recorder: Recorder | None = None) -> tuple[list[int], mx.array]:
     token, tokens, rows = first, [], []
     for _ in range(steps):
         logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
         rows.append(logits)
         token = int(mx.argmax(logits, axis=-1).item())
         tokens.append(token)
+        if recorder is not None:
+            mx.eval(logits)
+            recorder.passed(cache)
     out = mx.concatenate(rows)
     mx.eval(out)
     return tokens, out
-
-
-def _snapshot_all(tokens: list[int], cache: list) -> rec.RestoreParts:
-    """Every record a restore at len(tokens) needs, taken from the live cache."""
-    chain = BlockChain(tokens, ROOT)
-    point = chain.at(len(tokens))
-    blocks = [block for block in chain.full if block.end <= point.start]
-    blocks.append(point)  # a full point is the last full block itself
-    spine = [rec.snapshot_kv(cache, block, "x") for block in blocks]
-    return rec.RestoreParts(
-        end=len(tokens),
-        kv=spine,
-        window=rec.snapshot_window(cache, len(tokens)),
-        state=rec.snapshot_state(cache, len(tokens)),
-    )
 
 
 @pytest.fixture
@@ -78,8 +99,9 @@ def tiny(tiny_model_path: Callable[[str], Path], tiny_family: str):
 def test_rebuilt_cache_continues_bit_for_bit(tiny, length: int) -> None:
     prompt, more = _prompt(length), _prompt(150, seed=1)
     original = make_prompt_cache(tiny)
-    _feed(tiny, prompt, original)
-    parts = _snapshot_all(prompt, original)
+    recorder = Recorder(prompt)
+    _feed(tiny, prompt, original, recorder=recorder)
+    parts = recorder.parts(original)
     rebuilt = rec.rebuild(make_prompt_cache(tiny), parts)
     assert rec.cache_offset(rebuilt) == length
     # A prefill chunk, then decode steps, on both: the same computation on the same arrays.
@@ -103,7 +125,7 @@ def test_kv_layers_are_preallocated_in_256_steps(tiny_model_path) -> None:
     prompt = _prompt(600)
     original = make_prompt_cache(model)
     _feed(model, prompt, original)
-    rebuilt = rec.rebuild(make_prompt_cache(model), _snapshot_all(prompt, original))
+    rebuilt = rec.rebuild(make_prompt_cache(model), Recorder(prompt).parts(original))
     for layer in rebuilt:
         assert isinstance(layer, KVCache)
         assert layer.offset == 600 and layer.keys.shape[2] == 768  # next multiple of 256
@@ -119,12 +141,13 @@ def test_window_taken_after_rotation_continues(tiny_model_path) -> None:
     model, _ = load(str(tiny_model_path("gemma3")))
     prompt = _prompt(300)
     original = make_prompt_cache(model)
-    logits = _feed(model, prompt, original)
+    recorder = Recorder(prompt)
+    logits = _feed(model, prompt, original, recorder=recorder)
     generated, _ = _decode(model, original, int(mx.argmax(logits).item()), 10)
     seen = prompt + [int(mx.argmax(logits).item())] + generated[:-1]
     rotating = [c for c in original if isinstance(c, RotatingKVCache)]
     assert rotating and all(c._idx < c.offset for c in rotating)  # wrapped around
-    parts = _snapshot_all(seen, original)
+    parts = recorder.parts(original, seen)
     rebuilt = rec.rebuild(make_prompt_cache(model), parts)
     tokens_a, logits_a = _decode(model, original, generated[-1], 8)
     tokens_b, logits_b = _decode(model, rebuilt, generated[-1], 8)
@@ -145,8 +168,8 @@ def test_quantized_kv_deltas_round_trip() -> None:
     for step, n in enumerate((256, 200, 100)):  # ends at 556: two full blocks and a partial one
         live[0].update_and_fetch(*_random_rows(n, seed=step))
     tokens = _prompt(556)
-    parts = _snapshot_all(tokens, live)
-    assert parts.window is None and parts.state is None
+    parts = Recorder(tokens).parts(live)
+    assert parts.state is None
     rebuilt = rec.rebuild([QuantizedKVCache(group_size=32, bits=4)], parts)
     assert rebuilt[0].offset == 556 and rebuilt[0].keys[0].shape[2] == 768
     ours, theirs = rebuilt[0].keys_and_values(), live[0].keys_and_values()
@@ -166,16 +189,18 @@ def test_cache_list_with_keep_round_trips() -> None:
         return [CacheList(KVCache(), RotatingKVCache(max_size=16, keep=2))]
 
     live = fresh()
+    recorder = Recorder(_prompt(305))
     for step, n in enumerate((256, 44)):
         keys, values = _random_rows(n, dim=8, seed=step)
         live[0][0].update_and_fetch(keys, values)
         live[0][1].update_and_fetch(keys, values)
+        recorder.passed(live)
     for step in range(5):  # and a few single rows: the rotating cache writes in place
         keys, values = _random_rows(1, dim=8, seed=10 + step)
         live[0][0].update_and_fetch(keys, values)
         live[0][1].update_and_fetch(keys, values)
     assert "0.0:KVCache;0.1:RotatingKVCache(max_size=16,keep=2)" == rec.describe_layout(live)
-    parts = _snapshot_all(_prompt(305), live)
+    parts = recorder.parts(live)
     rebuilt = rec.rebuild(fresh(), parts)
     assert rebuilt[0][1].keys.shape[2] == 16
     window = rebuilt[0][1].keys
@@ -229,3 +254,40 @@ def test_identity_check() -> None:
 def test_unsupported_cache_class_is_refused() -> None:
     with pytest.raises(rec.UnsupportedCacheError):
         rec.describe_layout([KVCache(), ChunkedKVCache(chunk_size=64)])
+
+
+def test_window_rows_are_stored_once_and_only_while_held(tiny_model_path) -> None:
+    """A block keeps the rows of its sliding-window layers that a later point can need (the
+    last max_size - keep), full-attention layers all of theirs; a block whose window rows have
+    left the live cache cannot be stored from it."""
+    model, _ = load(str(tiny_model_path("gemma3")))
+    prompt = _prompt(600)
+    cache = make_prompt_cache(model)
+    recorder = Recorder(prompt)
+    _feed(model, prompt, cache, recorder=recorder)
+    record = recorder.records[512]
+    for path, layer in rec.leaves(cache):
+        rows = record.arrays[f"{path}.k"].shape[2]
+        if isinstance(layer, RotatingKVCache):
+            assert rows == layer.max_size - layer.keep == 64
+            assert record.meta[f"{path}.from"] == str(512 - 64)
+        else:
+            assert rows == 256
+    with pytest.raises(rec.RowsGoneError):
+        rec.snapshot_kv(cache, BlockChain(prompt, ROOT).full[0], "x")  # at 600: rows 192..256 gone
+
+
+def test_a_restore_without_the_window_rows_is_refused() -> None:
+    """The spine must hold every row of the window at the point; a gap is an error the prompt
+    cache turns into an earlier point, never a wrong cache."""
+    live = [RotatingKVCache(max_size=16)]
+    recorder = Recorder(_prompt(300))
+    for step, n in enumerate((256, 44)):
+        live[0].update_and_fetch(*_random_rows(n, dim=8, seed=step))
+        recorder.passed(live)
+    parts = recorder.parts(live)
+    assert rec.window_covered([RotatingKVCache(max_size=16)], parts)
+    parts.kv[-1].arrays.pop("0.k")  # the point's own rows 284..300
+    assert not rec.window_covered([RotatingKVCache(max_size=16)], parts)
+    with pytest.raises(ValueError, match="rows"):
+        rec.rebuild([RotatingKVCache(max_size=16)], parts)

@@ -1,17 +1,17 @@
 """PromptCache: restore the longest cached prefix of a prompt, checkpoint new blocks.
 
-What a restore at point b needs, by layer kind (see records.py):
-  kv      the spine records of every block from the first up to b (the K/V deltas);
-  window  the window record at b;
-  state   the state record at b.
+What a restore at point b needs (see records.py):
+  kv      the spine records of every block from the first up to b: the K/V deltas of every
+          attention layer (a sliding window takes its rows from the last blocks before b);
+  state   the state record at b, for recurrent layers.
 Points are full block boundaries (multiples of block_tokens) and partial points (a prompt's
 end, where the next turn diverges). A partial point's spine record holds the rows from the last
 full boundary to the point and chains from that boundary's key.
 
-Record keys in the tiers: the spine record under the block key itself, its window and state
-records under the block key plus one tag byte. The tiers' chain-aware LRU sees spine records
-chained to the previous block and window/state records as children of their own block, so an
-old point's window and state go first and a chain never loses a block in its middle.
+Record keys in the tiers: the spine record under the block key itself, its state record under
+the block key plus one tag byte. The tiers' chain-aware LRU sees spine records chained to the
+previous block and state records as children of their own block, so an old point's state goes
+first and a chain never loses a block in its middle.
 
 The prompt cache never raises into the engine for a storage problem: a record that is missing,
 corrupt or fails its identity check only shortens the restored prefix.
@@ -37,7 +37,7 @@ from rewind.paths import scratch_dir
 
 log = logging.getLogger(__name__)
 
-_TAG = {rec.WINDOW: b"w", rec.STATE: b"s"}
+_TAG = {rec.STATE: b"s"}  # the point records beside a spine record
 _MAX_PARTIAL_POINTS = 1 << 16  # bound on the in-memory index of partial checkpoints
 _MAX_RESTORE_ATTEMPTS = 4  # a failing record shortens the plan; give up after this many
 
@@ -110,6 +110,7 @@ class PromptCache:
             "missing_records": 0,
             "restore_errors": 0,
             "unsupported_checkpoints": 0,
+            "blocks_past_window": 0,  # blocks a checkpoint could no longer take from a window
         }
         self._restore_seconds = 0.0
 
@@ -175,13 +176,21 @@ class PromptCache:
             for block in spine:
                 if not self._has(block.key):
                     images = images_digest(extras, block.start, block.end)
-                    new.append((block.key, block.parent, rec.snapshot_kv(cache, block, images)))
-            for kind, snapshot in ((rec.WINDOW, rec.snapshot_window), (rec.STATE, rec.snapshot_state)):
-                key = point.key + _TAG[kind]
-                if not self._has(key):
-                    record = snapshot(cache, point.end)
-                    if record is not None:
-                        new.append((key, point.key, record))
+                    try:
+                        record = rec.snapshot_kv(cache, block, images)
+                    except rec.RowsGoneError as error:
+                        # Store what comes before it: a chain never gets a block it cannot
+                        # rebuild, and a later prefill that passes this block stores it whole.
+                        self._counters["blocks_past_window"] += 1
+                        log.info("checkpoint stops at %d: %s", block.start, error)
+                        self._store(new, spine)
+                        return
+                    new.append((block.key, block.parent, record))
+            key = point.key + _TAG[rec.STATE]
+            if not self._has(key):
+                record = rec.snapshot_state(cache, point.end)
+                if record is not None:
+                    new.append((key, point.key, record))
             if point.partial:
                 self._remember_partial(point)
             self._store(new, spine)
@@ -220,12 +229,12 @@ class PromptCache:
     def point_keys(
         self, tokens: Sequence[int], extras: BlockExtras | None = None, max_kv_size: int | None = None
     ) -> dict[str, bytes]:
-        """Tier keys of the records at point len(tokens): "kv" (the spine record of its block),
-        "window", "state" (for inspection, tests and debugging)."""
+        """Tier keys of the records at point len(tokens): "kv" (the spine record of its block)
+        and "state" (for inspection, tests and debugging)."""
         template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
         chain = BlockChain(tokens, self._root(template, extras), extras, self.block_tokens)
         key = chain.at(len(tokens)).key
-        return {rec.KV: key, rec.WINDOW: key + _TAG[rec.WINDOW], rec.STATE: key + _TAG[rec.STATE]}
+        return {rec.KV: key, rec.STATE: key + _TAG[rec.STATE]}
 
     def flush(self) -> None:
         """Wait until every record handed to the disk tier is written (tests, benchmarks)."""
@@ -254,7 +263,7 @@ class PromptCache:
             return nothing
         try:
             root = self._root(template, extras)
-            needs = rec.kinds_in(template) - {rec.KV}
+            needs = rec.kinds_in(template) & {rec.STATE}
         except rec.UnsupportedCacheError as error:
             self.disabled_reason = str(error)
             return nothing
@@ -264,7 +273,7 @@ class PromptCache:
             point = self._plan(chain, limit, needs)
             if point is None:
                 return nothing
-            loaded = self._load(point, needs, extras)
+            loaded = self._load(point, needs, extras, template)
             if isinstance(loaded, int):
                 limit = loaded  # a record failed: plan again, ending at or before its block
                 continue
@@ -299,7 +308,7 @@ class PromptCache:
         return None
 
     def _load(
-        self, point: _Point, needs: set[str], extras: BlockExtras | None
+        self, point: _Point, needs: set[str], extras: BlockExtras | None, template: list
     ) -> tuple[rec.RestoreParts, int, int] | int:
         """Fetch and check the records of `point`; on failure, the start of the failing block
         (a restore must end at or before it)."""
@@ -316,7 +325,7 @@ class PromptCache:
                 return block.start
             spine_records.append(record)
             block_from_disk.append(from_disk)
-        extra: dict[str, Record | None] = {rec.WINDOW: None, rec.STATE: None}
+        extra: dict[str, Record | None] = {rec.STATE: None}
         end = point.identity.end
         point_from_disk = False
         for kind in needs:
@@ -327,11 +336,16 @@ class PromptCache:
             extra[kind] = record
             point_from_disk = point_from_disk or from_disk
         if point_from_disk and block_from_disk:
-            block_from_disk[-1] = True  # the point's window / state came from disk
+            block_from_disk[-1] = True  # the point's state came from disk
+        parts = rec.RestoreParts(end=end, kv=spine_records, state=extra[rec.STATE])
+        if not rec.window_covered(template, parts):
+            # A window row no block holds (a block stored after its rows left the live cache):
+            # the points up to here cannot be rebuilt.
+            self._counters["missing_records"] += 1
+            return end - 1
         sizes = [block.end - block.start for block in point.spine]
         disk_tokens = sum(size for size, disk in zip(sizes, block_from_disk) if disk)
         ram_tokens = sum(sizes) - disk_tokens
-        parts = rec.RestoreParts(end=end, kv=spine_records, window=extra[rec.WINDOW], state=extra[rec.STATE])
         return parts, ram_tokens, disk_tokens
 
     # ---- the tiers --------------------------------------------------------------------------

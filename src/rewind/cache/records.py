@@ -1,20 +1,25 @@
 """Snapshot and restore of mlx-lm caches, one record per layer kind per checkpoint.
 
-Three kinds of record, because each layer kind needs something different to resume at a point:
+Two kinds of record, because attention and recurrent layers need different things to resume:
 
-  kv      full attention (KVCache, QuantizedKVCache): the K/V rows of one block only, a delta.
-          The cache at position b is the concatenation of the deltas of every block up to b.
-          This record also carries the block's tokens and the key it chains from: it is the spine
-          of the chain, checked on every hit, so a hash collision never restores a wrong cache.
-  window  sliding window (RotatingKVCache): the window as it stands at the boundary, in temporal
-          order and cut to max_size the way the cache itself cuts it. Resuming from exactly these
-          rows gives the same keys for the next prefill chunk (the cache drops down to
-          max_size - 1 rows before appending) and the same set for a decode step.
-  state   recurrent (ArraysCache: gated delta net conv + recurrent state, Mamba): the whole state.
+  kv      the spine, one record per block: the K/V rows of that block only, a delta, for every
+          attention layer. Full attention (KVCache, QuantizedKVCache) keeps all its rows, so the
+          cache at position b is the concatenation of the deltas of every block up to b. A sliding
+          window (RotatingKVCache, max_size M, keep K) only ever needs, at any later point b, its
+          first K rows and its last M - K: a block stores the rows of those that can still be
+          needed ([max(start, end - (M - K)), end), plus any of [0, K) it holds), and a restore
+          takes the window from the blocks before b. Each position is stored once, where a
+          window snapshot at every checkpoint would store it M / 256 times over, and a point at
+          a message boundary costs its own rows only.
+          The record also carries the block's tokens and the key it chains from, checked on
+          every hit, so a hash collision never restores a wrong cache.
+  state   recurrent (ArraysCache: gated delta net conv + recurrent state, Mamba): the whole
+          state at the point, which cannot be rebuilt from deltas.
 
-All layers of one kind share one record (arrays named by layer path, e.g. "3.k", "5.1" or, in a
-CacheList, "7.0.k"). Records hold copies, not views: a view would keep the whole live cache
-buffer alive in the RAM tier and block MLX from updating that buffer in place.
+All layers share one record per kind (arrays named by layer path, e.g. "3.k", "5.1" or, in a
+CacheList, "7.0.k"; a window layer's sink rows as "3.sk"). Records hold copies, not views: a
+view would keep the whole live cache buffer alive in the RAM tier and block MLX from updating
+that buffer in place.
 """
 
 from __future__ import annotations
@@ -34,12 +39,17 @@ from mlx_lm.models.cache import (
 from rewind.cache.blocks import BlockIdentity
 from rewind.cache.serialize import Record
 
-KV, WINDOW, STATE = "kv", "window", "state"
+KV, WINDOW, STATE = "kv", "window", "state"  # layer kinds; WINDOW rows live in kv records
 PREALLOC_STEP = 256  # mlx-lm's KVCache.step: restored caches grow like fresh ones
 
 
 class UnsupportedCacheError(TypeError):
     """A cache class the prompt cache cannot snapshot; the prompt cache turns itself off."""
+
+
+class RowsGoneError(ValueError):
+    """A sliding window no longer holds rows the block's record needs (a block stored long after
+    the prefill passed it): the block cannot be stored from this cache."""
 
 
 def leaves(cache: Sequence[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -104,9 +114,40 @@ def _rows(array: mx.array, start: int, end: int) -> mx.array:
 # ---- kv: the spine --------------------------------------------------------------------------
 
 
+def _held_window(layer: RotatingKVCache) -> tuple[mx.array, mx.array, int]:
+    """The rotating cache's rows in temporal order, and the position of the first row after its
+    `keep` sink rows (all rows are [0, offset) until the cache first drops some)."""
+    keys = layer._temporal_order(layer.keys)[..., : layer.offset, :]
+    values = layer._temporal_order(layer.values)[..., : layer.offset, :]
+    held = keys.shape[2]
+    return keys, values, layer.offset - held + layer.keep if held < layer.offset else layer.keep
+
+
+def _window_rows(layer: RotatingKVCache, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+    """Rows of positions [start, end) of a rotating cache, or None when it no longer holds them."""
+    if end <= start:
+        return None
+    keys, values, tail_from = _held_window(layer)
+    keep = layer.keep
+    if end <= keep or start >= tail_from:
+        first = start if end <= keep else keep + start - tail_from
+    elif tail_from == keep:  # nothing dropped yet: index = position
+        first = start
+    else:
+        return None
+    return _copy(keys[..., first:first + end - start, :]), _copy(values[..., first:first + end - start, :])
+
+
+def window_span(layer: RotatingKVCache, start: int, end: int) -> tuple[int, int]:
+    """The rows of block [start, end) past its sinks that a later point may need."""
+    return max(start, end - (layer.max_size - layer.keep), layer.keep if start < layer.keep else start), end
+
+
 def snapshot_kv(cache: Sequence[Any], block: BlockIdentity, extras_digest: str) -> Record:
-    """The K/V rows [block.start, block.end) of every full-attention layer, plus the block's
-    identity (tokens, the key it chains from, the extras digest) for the check on a hit."""
+    """The K/V rows of block [block.start, block.end) of every attention layer (for windows,
+    those a later point may need), plus the block's identity (tokens, the key it chains from,
+    the extras digest) for the check on a hit. RowsGoneError when a window layer no longer
+    holds the rows (a block stored long after the prefill passed it)."""
     arrays: dict[str, mx.array] = {"tokens": mx.array(block.tokens, dtype=mx.int32)}
     meta = {
         "kind": KV,
@@ -116,11 +157,24 @@ def snapshot_kv(cache: Sequence[Any], block: BlockIdentity, extras_digest: str) 
         "extras": extras_digest,
     }
     for path, layer in leaves(cache):
-        if kind_of(layer) != KV:
+        kind = kind_of(layer)
+        if kind == STATE:
             continue
         if layer.offset < block.end:
             raise ValueError(f"layer {path} holds {layer.offset} tokens, block ends at {block.end}")
-        if isinstance(layer, QuantizedKVCache):
+        if kind == WINDOW:
+            sinks = (_window_rows(layer, block.start, min(block.end, layer.keep))
+                     if block.start < layer.keep else None)
+            lo, hi = window_span(layer, block.start, block.end)
+            rows = _window_rows(layer, lo, hi) if lo < hi else None
+            if (block.start < layer.keep and sinks is None) or (lo < hi and rows is None):
+                raise RowsGoneError(f"layer {path} no longer holds rows {lo}..{hi}")
+            if sinks is not None:
+                arrays[f"{path}.sk"], arrays[f"{path}.sv"] = sinks
+            if rows is not None:
+                arrays[f"{path}.k"], arrays[f"{path}.v"] = rows
+            meta[f"{path}.from"] = str(lo)
+        elif isinstance(layer, QuantizedKVCache):
             for name, parts in (("k", layer.keys), ("v", layer.values)):
                 for index, part in enumerate(parts):
                     arrays[f"{path}.{name}{index}"] = _rows(part, block.start, block.end)
@@ -144,31 +198,7 @@ def verify_kv(record: Record, block: BlockIdentity, extras_digest: str) -> bool:
     return tokens is not None and tuple(tokens.tolist()) == block.tokens
 
 
-# ---- window and state: the point itself ------------------------------------------------------
-
-
-def _window(layer: RotatingKVCache) -> tuple[mx.array, mx.array]:
-    """The rotating cache's rows in temporal order, cut to max_size as the cache would cut them
-    (keeping the first `keep` rows)."""
-    keys = layer._temporal_order(layer.keys)
-    values = layer._temporal_order(layer.values)
-    keys, values = keys[..., : layer.offset, :], values[..., : layer.offset, :]
-    excess = keys.shape[2] - layer.max_size
-    if excess > 0:
-        keys, values = layer._trim(excess, keys), layer._trim(excess, values)
-    return keys, values
-
-
-def snapshot_window(cache: Sequence[Any], end: int) -> Record | None:
-    arrays: dict[str, mx.array] = {}
-    for path, layer in leaves(cache):
-        if kind_of(layer) == WINDOW:
-            keys, values = _window(layer)
-            arrays[f"{path}.k"], arrays[f"{path}.v"] = _copy(keys), _copy(values)
-    if not arrays:
-        return None
-    mx.eval(list(arrays.values()))
-    return Record(arrays=arrays, meta={"kind": WINDOW, "end": str(end)})
+# ---- state: the point itself ---------------------------------------------------------------
 
 
 def snapshot_state(cache: Sequence[Any], end: int) -> Record | None:
@@ -196,12 +226,11 @@ def snapshot_state(cache: Sequence[Any], end: int) -> Record | None:
 @dataclass
 class RestoreParts:
     """Records that together rebuild the cache at `end`: the kv spine from the first block up to
-    `end` in order, and the window / state records at `end` (None where the model has no such
+    `end` in order, and the state record at `end` (None where the model has no recurrent
     layers)."""
 
     end: int
     kv: list[Record]
-    window: Record | None
     state: Record | None
 
 
@@ -221,6 +250,55 @@ def _rows_of(parts: RestoreParts, name: str) -> list[mx.array]:
         return [record.arrays[name] for record in parts.kv]
     except KeyError:
         raise ValueError(f"kv record lacks {name!r}") from None
+
+
+def window_needed(layer: RotatingKVCache, end: int) -> list[tuple[int, int]]:
+    """Position ranges a rotating cache holds at `end`, as the cache itself cuts them: all of
+    [0, end) until it exceeds max_size, then its `keep` sinks and its last max_size - keep."""
+    if end <= layer.max_size:
+        return [(0, end)]
+    ranges = [(0, layer.keep)] if layer.keep else []
+    return [*ranges, (end - (layer.max_size - layer.keep), end)]
+
+
+def _window_from_spine(path: str, layer: RotatingKVCache, parts: RestoreParts) -> tuple[mx.array, mx.array]:
+    """The window at parts.end from the rows the spine records hold; ValueError when a needed
+    row is in none of them."""
+    pieces: list[tuple[int, int, mx.array, mx.array]] = []  # (start, end, keys, values)
+    for record in parts.kv:
+        start, end = int(record.meta["start"]), int(record.meta["end"])
+        if f"{path}.sk" in record.arrays:
+            sinks = record.arrays[f"{path}.sk"]
+            pieces.append((start, start + sinks.shape[2], sinks, record.arrays[f"{path}.sv"]))
+        if f"{path}.k" in record.arrays:
+            lo = int(record.meta[f"{path}.from"])
+            pieces.append((lo, end, record.arrays[f"{path}.k"], record.arrays[f"{path}.v"]))
+    keys: list[mx.array] = []
+    values: list[mx.array] = []
+    for want_lo, want_hi in window_needed(layer, parts.end):
+        position = want_lo
+        for lo, hi, k, v in pieces:
+            if lo <= position < hi and position < want_hi:
+                take = min(hi, want_hi)
+                keys.append(k[..., position - lo:take - lo, :])
+                values.append(v[..., position - lo:take - lo, :])
+                position = take
+        if position < want_hi:
+            raise ValueError(f"window layer {path}: rows {position}..{want_hi} are in no record")
+    if len(keys) == 1:
+        return _copy(keys[0]), _copy(values[0])
+    return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+
+
+def window_covered(template: Sequence[Any], parts: RestoreParts) -> bool:
+    """Whether the spine records hold every window row a restore at parts.end needs."""
+    try:
+        for path, layer in leaves(template):
+            if kind_of(layer) == WINDOW:
+                _window_from_spine(path, layer, parts)
+    except (ValueError, KeyError):
+        return False
+    return True
 
 
 def rebuild(template: Sequence[Any], parts: RestoreParts) -> list[Any]:
@@ -245,14 +323,12 @@ def rebuild(template: Sequence[Any], parts: RestoreParts) -> list[Any]:
                 restored += [layer.keys, layer.values]
             layer.offset = end
         elif kind == WINDOW:
-            if parts.window is None:
-                raise ValueError("no window record for a sliding-window layer")
-            # Copies: RotatingKVCache writes into its arrays in place (slice assignment), and
-            # these arrays also live in the RAM tier.
-            layer.keys = _copy(parts.window.arrays[f"{path}.k"])
-            layer.values = _copy(parts.window.arrays[f"{path}.v"])
+            keys, values = _window_from_spine(path, layer, parts)
+            # Fresh arrays (a concatenation, or a copy): RotatingKVCache writes into its arrays
+            # in place (slice assignment), and the records also live in the RAM tier.
+            layer.keys, layer.values = keys, values
             layer.offset = end
-            layer._idx = layer.keys.shape[2]
+            layer._idx = keys.shape[2]
             restored += [layer.keys, layer.values]
         else:
             if parts.state is None:
