@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 
@@ -88,6 +88,11 @@ class GenerationRequest:
     # None: positions are the token indices.
     positions: Callable[[int, int], Any] | None = None
     position_delta: int = 0
+    # Models that add features to the hidden states after given layers (Qwen3-VL's deepstack,
+    # rewind.engine.residuals): layer_residuals(start, end) -> {layer index: [1, end - start,
+    # hidden]} for those prompt positions, or None for a chunk with nothing to add; called on
+    # the engine thread for each prefill chunk. Decode never uses it.
+    layer_residuals: Callable[[int, int], Mapping[int, Any] | None] | None = None
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
 
 

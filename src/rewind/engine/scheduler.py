@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from rewind.config import BLOCK_TOKENS, EngineConfig
 from rewind.engine.forward import last_logits, prefill
 from rewind.engine.positions import given_positions, takes_positions
+from rewind.engine.residuals import given_residuals
 from rewind.engine.request import (
     FinishEvent,
     FinishReason,
@@ -228,18 +229,23 @@ class Scheduler:
                 chunk = mx.array([seq.prompt[start:end]])
                 # Image prompts: this chunk's input embeddings (image features in image spans).
                 embeds = None if seq.request.embed is None else seq.request.embed(start, end)
-                # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions).
+                # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions);
+                # Qwen3-VL's: the features added after its first layers (engine.residuals).
                 positions = (None if seq.request.positions is None
                              else seq.request.positions(start, end))
+                residuals = (None if seq.request.layer_residuals is None
+                             else seq.request.layer_residuals(start, end))
                 if end == total:
-                    with given_positions(self.model, positions):
+                    with (given_positions(self.model, positions),
+                          given_residuals(self.model, residuals)):
                         logits = last_logits(self.model, chunk, seq.cache, embeds)
                     mx.eval(logits, [c.state for c in seq.cache])
                     seq.prefilled = end
                     self.counters.prefilled_tokens += end - start
                     sampled = sample_rows([seq.sampler], logits)[0]
                     break
-                with given_positions(self.model, positions):
+                with (given_positions(self.model, positions),
+                      given_residuals(self.model, residuals)):
                     prefill(self.model, chunk, seq.cache, embeds)
                 seq.prefilled = end
                 self.counters.prefilled_tokens += end - start
