@@ -12,23 +12,22 @@ from pathlib import Path
 import pytest
 from vision_helpers import (
     TIMEOUT,
-    assert_same,
+    assert_prompt_cache_keeps_image_answers,
     batched_equals_alone,
     generation,
     image_prompt,
+    mlx_vlm_greedy,
     picture,
     prefix_of,
-    reference,
+    two_image_prompts,
 )
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rewind.cache import PromptCache  # noqa: E402
-from rewind.config import BLOCK_TOKENS, CacheConfig, EngineConfig  # noqa: E402
+from rewind.config import EngineConfig  # noqa: E402
 from rewind.engine import Engine  # noqa: E402
 from rewind.models.loader import load_model  # noqa: E402
 from rewind.testing.tiny_vlm import (  # noqa: E402
@@ -173,12 +172,7 @@ def test_greedy_decode_after_the_image_equals_mlx_vlm(vision):
              else [KVCache() for _ in language.model.layers])
     embeddings = prompt.embed(0, len(prompt.tokens))  # equal to mlx-vlm's (the test above)
     logits = language(mx.array([prompt.tokens]), inputs_embeds=embeddings, cache=cache).logits
-    expected, expected_logprobs = [], []
-    for _ in range(8):
-        token = int(mx.argmax(logits[0, -1]).item())
-        expected.append(token)
-        expected_logprobs.append(float(nn.log_softmax(logits[0, -1].astype(mx.float32))[token]))
-        logits = language(mx.array([[token]]), cache=cache).logits
+    expected, expected_logprobs = mlx_vlm_greedy(language, logits, cache)
     with Engine(loaded, EngineConfig(parallel=1)) as engine:
         ours = engine.generate(generation(prompt), TIMEOUT)
     assert ours.tokens == expected
@@ -211,52 +205,10 @@ def test_llava_with_a_language_model_mlx_lm_cannot_load_is_refused(tmp_path):
 
 
 def test_prompt_cache_never_changes_an_image_answer(vision, tmp_path):
-    """A repeat restores the whole prefix; a restore that stops inside the image span prefills
-    the rest of it (Pixtral's break tokens included) from the image's features; the next turn
-    restores the answer; another image at the same place misses from its first block."""
-    loaded, _ = vision
-    image = picture(7)
-    prefix = prefix_of(loaded, 230)
-    first = image_prompt(vision, [prefix, image, " first question, about the shapes"])
-    other = image_prompt(vision, [prefix, image, " another question entirely"])
-    span = other.prompt.spans[0]
-    assert span.start < BLOCK_TOKENS < span.end
-    late = prefix_of(loaded, 300)
-    swapped = [image_prompt(vision, [late, picture(seed), " describe it"]) for seed in (8, 9)]
-    assert swapped[0].tokens == swapped[1].tokens  # same size: only the pixels differ
-    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
-                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
-    try:
-        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
-            answer = engine.generate(generation(first), TIMEOUT)
-            again = engine.generate(generation(first), TIMEOUT)
-            inside = engine.generate(generation(other), TIMEOUT)
-            turn2 = image_prompt(vision, [prefix, image, " first question, about the shapes",
-                                          answer.tokens, " and the colours?"])
-            second = engine.generate(generation(turn2), TIMEOUT)
-            engine.generate(generation(swapped[0]), TIMEOUT)
-            replaced = engine.generate(generation(swapped[1]), TIMEOUT)
-    finally:
-        prompt_cache.close()
-    assert answer.finish.usage.cached_tokens == 0
-    assert again.finish.usage.cached_tokens == len(first.tokens) - 1
-    assert inside.finish.usage.cached_tokens == BLOCK_TOKENS
-    assert second.finish.usage.cached_tokens == len(first.tokens) + len(answer.tokens) - 1
-    assert replaced.finish.usage.cached_tokens == BLOCK_TOKENS  # the span starts at 300
-    assert_same(answer, reference(vision, first))
-    assert_same(again, reference(vision, first))
-    assert_same(inside, reference(vision, other))
-    assert_same(second, reference(vision, turn2))
-    expected = reference(vision, swapped[1])
-    assert_same(replaced, expected)
-    assert expected.tokens != reference(vision, swapped[0]).tokens  # the image does matter
+    """Repeat, a restore inside the image span (Pixtral's break tokens included), the next
+    turn, another image at the same place."""
+    assert_prompt_cache_keeps_image_answers(vision, tmp_path)
 
 
 def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
-    loaded = vision[0]
-    prompts = [
-        image_prompt(vision, [prefix_of(loaded, 90), picture(15), " describe it"]),
-        image_prompt(vision, ["short ", picture(16, (200, 330)), " and ", picture(17),
-                              " compare"]),
-    ]
-    batched_equals_alone(vision, prompts, tmp_path)
+    batched_equals_alone(vision, two_image_prompts(vision), tmp_path)

@@ -16,15 +16,17 @@ from vision_helpers import (
     encode,
     generation,
     image_prompt,
+    mlx_vlm_greedy,
     picture,
     prefix_of,
+    qwen_mlx_vlm_inputs,
     reference,
+    two_image_prompts,
 )
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rewind.cache import PromptCache  # noqa: E402
@@ -33,7 +35,6 @@ from rewind.engine import Engine, GenerationRequest, SamplingParams  # noqa: E40
 from rewind.engine.positions import given_positions  # noqa: E402
 from rewind.models.loader import load_model  # noqa: E402
 from rewind.testing.tiny_qwen_vl import build_tiny_qwen_vl_model  # noqa: E402
-from rewind.vision.prompting import ImagePrompt  # noqa: E402
 from rewind.vision.vlm import adapter_for  # noqa: E402
 
 
@@ -69,15 +70,6 @@ def cached_engine(vision, tmp_path):
     prompt_cache.close()
 
 
-def mlx_vlm_inputs(reference_model, adapter, prompt: ImagePrompt):
-    """mlx-vlm's own embeddings, position ids and rope deltas for the same prompt and images."""
-    ids = mx.array([prompt.tokens])
-    pixels = [adapter.preprocess(span.image) for span in prompt.prompt.spans]
-    patches = mx.array(np.concatenate([p for p, _ in pixels]))
-    grids = mx.array(np.concatenate([g for _, g in pixels]))
-    return ids, reference_model.get_input_embeddings(ids, patches, image_grid_thw=grids)
-
-
 # ---- the adapter against mlx-vlm --------------------------------------------------------------
 
 
@@ -88,7 +80,7 @@ def test_positions_equal_mlx_vlm_rope_index(vision):
     prompt = image_prompt(vision, ["two: ", picture(1), " and ", picture(2, (200, 330)), " end"])
     first, second = prompt.prompt.spans
     assert first.grid == (1, 6, 9) and second.grid == (1, 10, 6)  # the size sets the grid
-    _, features = mlx_vlm_inputs(load_vlm(Path(loaded.path)), adapter, prompt)
+    _, features = qwen_mlx_vlm_inputs(load_vlm(Path(loaded.path)), adapter, prompt)
     np.testing.assert_array_equal(prompt.prompt.positions, np.array(features.position_ids)[:, 0])
     assert prompt.position_delta == int(np.array(features.rope_deltas)[0, 0]) < 0
     # Really 3-D: inside an image the three rows differ.
@@ -104,7 +96,7 @@ def test_logits_equal_mlx_vlm_and_need_3d_positions(which, request):
     loaded, adapter = vision
     prompt = image_prompt(vision, ["Look: ", picture(3), " what is it?"])
     reference_model = load_vlm(Path(loaded.path))
-    ids, features = mlx_vlm_inputs(reference_model, adapter, prompt)
+    ids, features = qwen_mlx_vlm_inputs(reference_model, adapter, prompt)
     ours = prompt.embed(0, len(prompt.tokens))
     np.testing.assert_allclose(np.array(ours), np.array(features.inputs_embeds), atol=1e-5)
     expected = reference_model.language_model(ids, inputs_embeds=features.inputs_embeds,
@@ -127,21 +119,15 @@ def test_greedy_decode_after_the_image_equals_mlx_vlm(which, request):
     loaded, adapter = vision
     prompt = image_prompt(vision, [prefix_of(loaded, 40), picture(4), " describe it"])
     reference_model = load_vlm(Path(loaded.path))
-    ids, features = mlx_vlm_inputs(reference_model, adapter, prompt)
+    ids, features = qwen_mlx_vlm_inputs(reference_model, adapter, prompt)
     language = reference_model.language_model
     cache = (language.make_cache() if hasattr(language, "make_cache")
              else [KVCache() for _ in language.model.layers])
     logits = language(ids, inputs_embeds=features.inputs_embeds, cache=cache,
                       position_ids=features.position_ids).logits
     delta = int(np.array(features.rope_deltas)[0, 0])
-    expected, expected_logprobs = [], []
-    for step in range(8):
-        token = int(mx.argmax(logits[0, -1]).item())
-        expected.append(token)
-        expected_logprobs.append(float(nn.log_softmax(logits[0, -1].astype(mx.float32))[token]))
-        at = len(prompt.tokens) + step + delta
-        logits = language(mx.array([[token]]), cache=cache,
-                          position_ids=mx.full((3, 1, 1), at, dtype=mx.int32)).logits
+    expected, expected_logprobs = mlx_vlm_greedy(language, logits, cache,
+                                                 len(prompt.tokens) + delta)
     with Engine(loaded, EngineConfig(parallel=1)) as engine:
         ours = engine.generate(generation(prompt), TIMEOUT)
         no_delta = engine.generate(generation(prompt, delta=0), TIMEOUT)
@@ -259,11 +245,7 @@ def test_restore_that_stops_inside_an_image_span(vision, cached_engine):
 def test_image_and_text_requests_batched_equal_one_at_a_time(vision, tmp_path):
     """Rows of one decode batch with different position deltas (two image prompts, two text
     prompts) give what each gives alone."""
-    loaded = vision[0]
-    prompts = [
-        image_prompt(vision, [prefix_of(loaded, 90), picture(15), " describe it"]),
-        image_prompt(vision, ["short ", picture(16, (200, 330)), " and ", picture(17), " compare"]),
-    ]
+    prompts = two_image_prompts(vision)
     assert prompts[0].position_delta != prompts[1].position_delta
     batched_equals_alone(vision, prompts, tmp_path)
 

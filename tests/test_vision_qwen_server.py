@@ -1,6 +1,7 @@
-"""A tiny Qwen2.5-VL through the live HTTP server and the real `openai` client: an image prompt
-expands into its grid of image tokens, its repeat comes from the prompt cache with the same
-answer as the engine gives for the same prompt, and text requests keep working."""
+"""A tiny Qwen2.5-VL and a tiny Qwen3-VL through the live HTTP server and the real `openai`
+client: an image prompt expands into its grid of image tokens, its repeat comes from the prompt
+cache with the same answer, the engine gets the 3-D positions (and Qwen3-VL's deepstack
+features), and text requests keep working."""
 
 from __future__ import annotations
 
@@ -21,9 +22,14 @@ from rewind.testing.tiny_qwen_vl import build_tiny_qwen_vl_model  # noqa: E402
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def model_type(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def live(tmp_path_factory) -> Iterator[tuple[openai.OpenAI, str, Engine]]:
-    folder = build_tiny_qwen_vl_model(tmp_path_factory.mktemp("tiny-qwen-vl"))
+def live(model_type, tmp_path_factory) -> Iterator[tuple[openai.OpenAI, str, Engine]]:
+    folder = build_tiny_qwen_vl_model(tmp_path_factory.mktemp(f"tiny-{model_type}"), model_type)
     with live_vision_server(load_model(str(folder)), tmp_path_factory.mktemp("scratch")) as live:
         yield live
 
@@ -44,7 +50,7 @@ def test_openai_image_prompt_on_qwen_vl_and_its_repeat_from_the_cache(live):
     assert other.usage.prompt_tokens == text_only.usage.prompt_tokens + 60 + 2  # a 10x6 grid
 
 
-def test_the_server_hands_the_engine_3d_positions(live, monkeypatch):
+def test_the_server_hands_the_engine_3d_positions(live, model_type, monkeypatch):
     client, model, engine = live
     seen = []
     submit = engine.submit
@@ -54,6 +60,11 @@ def test_the_server_hands_the_engine_3d_positions(live, monkeypatch):
     rows = np.array(request.positions(0, len(request.prompt_tokens)))[:, 0]
     assert len({tuple(row) for row in rows}) == 3  # t, h and w differ inside the image
     assert request.position_delta == int(rows.max()) + 1 - len(request.prompt_tokens) < 0
+    if model_type == "qwen3_vl":  # its deepstack features, for layers 0-2
+        added = request.layer_residuals(0, len(request.prompt_tokens))
+        assert sorted(added) == [0, 1, 2]
+    else:
+        assert request.layer_residuals is None
 
 
 def test_streamed_image_answer_equals_the_plain_one(live):

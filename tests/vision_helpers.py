@@ -69,12 +69,13 @@ def image_prompt(vision, parts: list, checkpoints: list[int] | None = None) -> I
 
 def generation(prompt: ImagePrompt, max_tokens: int = 8, delta: int | None = None
                ) -> GenerationRequest:
-    """A greedy request for `prompt` with its embeddings (and 3-D positions where it has them);
-    `delta` overrides the position delta of generated tokens."""
+    """A greedy request for `prompt` with its embeddings (and 3-D positions and layer residuals
+    where it has them); `delta` overrides the position delta of generated tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=3)
-    return GenerationRequest(prompt.tokens, params, prompt.checkpoints, prompt.extras,
-                             embed=prompt.embed, positions=prompt.positions,
-                             position_delta=prompt.position_delta if delta is None else delta)
+    request = prompt.into(GenerationRequest(prompt.tokens, params, prompt.checkpoints))
+    if delta is not None:
+        request.position_delta = delta
+    return request
 
 
 def reference(vision, prompt: ImagePrompt, max_tokens: int = 8):
@@ -87,6 +88,16 @@ def assert_same(result, expected) -> None:
     assert result.finish.reason == expected.finish.reason, result.finish.error
     assert result.tokens == expected.tokens
     np.testing.assert_allclose(result.logprobs, expected.logprobs, atol=2e-3)
+
+
+def two_image_prompts(vision) -> list[ImagePrompt]:
+    """Two image prompts for batching tests: one image after 90 tokens of text; two images of
+    different sizes in a short prompt."""
+    return [
+        image_prompt(vision, [prefix_of(vision[0], 90), picture(15), " describe it"]),
+        image_prompt(vision, ["short ", picture(16, (200, 330)), " and ", picture(17),
+                              " compare"]),
+    ]
 
 
 def batched_equals_alone(vision, prompts: list[ImagePrompt], scratch: Path) -> None:
@@ -116,6 +127,82 @@ def batched_equals_alone(vision, prompts: list[ImagePrompt], scratch: Path) -> N
         prompt_cache.close()
     assert all(c.finish.reason == "length" for c in together), [c.finish.error for c in together]
     assert [c.tokens for c in together] == alone
+
+
+def mlx_vlm_greedy(language, logits, cache, first_position: int | None = None,
+                   steps: int = 8) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from mlx-vlm's language model, continuing
+    from its prefill `logits` with its `cache`; with `first_position`, decode step i runs at
+    3-D position first_position + i (Qwen's index + rope delta)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    tokens, logprobs = [], []
+    for step in range(steps):
+        token = int(mx.argmax(logits[0, -1]).item())
+        tokens.append(token)
+        logprobs.append(float(nn.log_softmax(logits[0, -1].astype(mx.float32))[token]))
+        kwargs = {} if first_position is None else {
+            "position_ids": mx.full((3, 1, 1), first_position + step, dtype=mx.int32)}
+        logits = language(mx.array([[token]]), cache=cache, **kwargs).logits
+    return tokens, logprobs
+
+
+def qwen_mlx_vlm_inputs(reference_model, adapter, prompt: ImagePrompt):
+    """mlx-vlm's own input features for a Qwen-VL-family prompt and its images (embeddings,
+    position ids, rope deltas; Qwen3-VL's deepstack too), and the token ids [1, T]."""
+    import mlx.core as mx
+
+    ids = mx.array([prompt.tokens])
+    pixels = [adapter.preprocess(span.image) for span in prompt.prompt.spans]
+    patches = mx.array(np.concatenate([p for p, _ in pixels]))
+    grids = mx.array(np.concatenate([g for _, g in pixels]))
+    return ids, reference_model.get_input_embeddings(ids, patches, image_grid_thw=grids)
+
+
+def assert_prompt_cache_keeps_image_answers(vision, scratch: Path) -> None:
+    """A repeat restores the whole prefix; a restore that stops inside the image span prefills
+    the rest of it from the image's features; the next turn restores the answer; another image
+    at the same place misses from its first block. Each gives the uncached answer."""
+    from rewind.cache import PromptCache
+    from rewind.config import BLOCK_TOKENS
+
+    loaded, _ = vision
+    image = picture(7)
+    prefix = prefix_of(loaded, 230)
+    first = image_prompt(vision, [prefix, image, " first question, about the shapes"])
+    other = image_prompt(vision, [prefix, image, " another question entirely"])
+    span = other.prompt.spans[0]
+    assert span.start < BLOCK_TOKENS < span.end
+    late = prefix_of(loaded, 300)
+    swapped = [image_prompt(vision, [late, picture(seed), " describe it"]) for seed in (8, 9)]
+    assert swapped[0].tokens == swapped[1].tokens  # same size: only the pixels differ
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=scratch, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, EngineConfig(parallel=2), prompt_cache) as engine:
+            answer = engine.generate(generation(first), TIMEOUT)
+            again = engine.generate(generation(first), TIMEOUT)
+            inside = engine.generate(generation(other), TIMEOUT)
+            turn2 = image_prompt(vision, [prefix, image, " first question, about the shapes",
+                                          answer.tokens, " and the colours?"])
+            second = engine.generate(generation(turn2), TIMEOUT)
+            engine.generate(generation(swapped[0]), TIMEOUT)
+            replaced = engine.generate(generation(swapped[1]), TIMEOUT)
+    finally:
+        prompt_cache.close()
+    assert answer.finish.usage.cached_tokens == 0
+    assert again.finish.usage.cached_tokens == len(first.tokens) - 1
+    assert inside.finish.usage.cached_tokens == BLOCK_TOKENS
+    assert second.finish.usage.cached_tokens == len(first.tokens) + len(answer.tokens) - 1
+    assert replaced.finish.usage.cached_tokens == BLOCK_TOKENS  # the span starts at 300
+    assert_same(answer, reference(vision, first))
+    assert_same(again, reference(vision, first))
+    assert_same(inside, reference(vision, other))
+    assert_same(second, reference(vision, turn2))
+    expected = reference(vision, swapped[1])
+    assert_same(replaced, expected)
+    assert expected.tokens != reference(vision, swapped[0]).tokens  # the image does matter
 
 
 def user_with_image(seed: int, size: tuple[int, int] = (320, 240)) -> list[dict]:

@@ -22,9 +22,11 @@ import mlx.core as mx
 # (tied embedding `as_linear` or `lm_head`) and nothing else (no soft-capping, no logit scale).
 # Checked against mlx-lm 0.32's model files; add a family only after reading its Model.__call__.
 # "mistral" is mlx-lm's llama class under another name (Mistral text models, and the language
-# model of Pixtral and Mistral 3 vision folders); "ministral3" is Ministral 3's.
+# model of Pixtral and Mistral 3 vision folders); "ministral3" is Ministral 3's. Qwen3-VL's
+# language model is mlx-lm's qwen3 (qwen3_moe for qwen3_vl_moe) under its text config's type.
 _BACKBONE_THEN_HEAD = frozenset({"llama", "mistral", "ministral3", "qwen2", "qwen3",
-                                 "gemma3_text", "qwen3_5"})
+                                 "gemma3_text", "qwen3_5", "qwen3_vl", "qwen3_vl_text",
+                                 "qwen3_vl_moe_text"})
 
 
 @dataclass(frozen=True)

@@ -153,9 +153,7 @@ class ServerRuntime:
         request = GenerationRequest(prompt_tokens=tokens, params=params,
                                     checkpoints=sorted(set(checkpoints or [])))
         if image_prompt is not None:
-            request.extras, request.embed = image_prompt.extras, image_prompt.embed
-            request.positions = image_prompt.positions
-            request.position_delta = image_prompt.position_delta
+            image_prompt.into(request)
         try:
             return self.engine.submit(request)
         except QueueFullError as exc:

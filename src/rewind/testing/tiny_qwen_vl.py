@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL, or Qwen 3.5) model folder, for vision tests.
+"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL, Qwen 3.5, Qwen3-VL) model folder, for vision
+tests.
 
 `build_tiny_qwen_vl_model(out_dir)` writes the layout of an mlx-vlm conversion of Qwen2.5-VL:
 config.json in HF's flat form (the text fields at the top, `vision_config` nested, rope_scaling
@@ -13,7 +14,10 @@ over the 8 frequency pairs); the ViT is 2 blocks 32 wide in 14 px patches merged
 most MAX_IMAGE_TOKENS image tokens per image (max_pixels), so a 320x240 image becomes a 6x9 grid
 of 54 tokens. `model_type="qwen3_5"` nests the hybrid text model of tiny_models (linear, full,
 linear, full; 16 rotary pairs, mrope_section [6, 5, 5] interleaved) under `text_config`, with
-Qwen3-VL's ViT. Built in about a second; everything is seeded.
+Qwen3-VL's ViT. `model_type="qwen3_vl"` (or "qwen3_vl_moe", 4 experts, 2 per token) nests a
+qwen3 text model (4 layers of 4 heads of 16, interleaved mrope_section [2, 3, 3]) and that ViT
+3 blocks deep with deepstack features from each block (DEEPSTACK_INDEXES), added after the
+language model's layers 0-2. Built in about a second; everything is seeded.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ QWEN_VL_SPECIAL_TOKENS = [*SPECIAL_TOKENS, VISION_START, VISION_END, IMAGE_PAD, 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 MAX_IMAGE_TOKENS = 64
-MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_5")
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3-VL: the ViT blocks whose outputs become deepstack features, added after the language
+# model's first len(...) layers (3 of 4 here, as the real models add 3).
+DEEPSTACK_INDEXES = [0, 1, 2]
 
 
 def _vision_config(model_type: str, hidden_size: int) -> dict[str, Any]:
@@ -54,6 +61,11 @@ def _vision_config(model_type: str, hidden_size: int) -> dict[str, Any]:
         return {**common, "hidden_size": 32, "intermediate_size": 64,
                 "out_hidden_size": hidden_size, "num_position_embeddings": 64,
                 "deepstack_visual_indexes": []}
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        # The same ViT, one block deeper, with a deepstack merger after each block.
+        return {**common, "depth": 3, "hidden_size": 32, "intermediate_size": 64,
+                "out_hidden_size": hidden_size, "num_position_embeddings": 64,
+                "deepstack_visual_indexes": DEEPSTACK_INDEXES}
     if model_type == "qwen2_5_vl":
         # Window attention over 4x4 merged tokens in block 0, full attention in block 1.
         return {**common, "hidden_size": 32, "intermediate_size": 64,
@@ -61,6 +73,27 @@ def _vision_config(model_type: str, hidden_size: int) -> dict[str, Any]:
                 "fullatt_block_indexes": [1], "tokens_per_second": 2}
     # Qwen2-VL names them differently: embed_dim is the ViT's width, hidden_size the output.
     return {**common, "embed_dim": 32, "hidden_size": hidden_size, "mlp_ratio": 2}
+
+
+def _qwen3_vl_text_config(model_type: str, hidden_size: int, ids: dict[str, Any]
+                          ) -> dict[str, Any]:
+    """Qwen3-VL's text model as its checkpoints nest it: a qwen3 (q/k norms), 4 layers of 4
+    heads of 16, interleaved mrope over the 8 rotary pairs; the MoE form routes each token to
+    2 of 4 experts in every layer."""
+    text = {
+        "model_type": f"{model_type}_text", "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden_size, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        "tie_word_embeddings": False, "attention_bias": False,
+        "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
+    }
+    if model_type == "qwen3_vl_moe":
+        text.update({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True})
+    return text
 
 
 def tiny_qwen_vl_config(special_ids: dict[str, int], model_type: str = "qwen2_5_vl"
@@ -87,6 +120,13 @@ def tiny_qwen_vl_config(special_ids: dict[str, int], model_type: str = "qwen2_5_
         return {"model_type": "qwen3_5",
                 "architectures": ["Qwen3_5ForConditionalGeneration"],
                 "text_config": text, "vision_config": _vision_config(model_type, hidden_size),
+                "tie_word_embeddings": False, **ids}
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        return {"model_type": model_type,
+                "architectures": ["Qwen3VLForConditionalGeneration" if model_type == "qwen3_vl"
+                                  else "Qwen3VLMoeForConditionalGeneration"],
+                "text_config": _qwen3_vl_text_config(model_type, hidden_size, ids),
+                "vision_config": _vision_config(model_type, hidden_size),
                 "tie_word_embeddings": False, **ids}
     architecture = ("Qwen2_5_VLForConditionalGeneration" if model_type == "qwen2_5_vl"
                     else "Qwen2VLForConditionalGeneration")

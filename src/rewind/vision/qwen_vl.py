@@ -176,3 +176,51 @@ class Qwen35Vision(QwenVLVision):
         patches, grid_thw = pixels
         hidden, _deepstack = self.tower(mx.array(patches).astype(self.dtype), mx.array(grid_thw))
         return hidden
+
+
+class Qwen3VLVision(Qwen35Vision):
+    """Qwen3-VL (dense, and MoE where mlx-lm's qwen3_vl_moe holds the language model): Qwen
+    3.5's ViT, prompt layout and interleaved 3-D positions before a qwen3 (or qwen3_moe)
+    language model, plus "deepstack": the outputs of some ViT blocks, merged like the final
+    features, are added to the hidden states after the language model's first layers at the
+    image tokens (one ViT block per layer, in order), as mlx-vlm's `Qwen3VLModel` does.
+
+    The engine takes those through rewind.engine.residuals: `prepare_language_model` lets the
+    first layers take residuals, and the prompt's `residuals(start, end)` gives them per prefill
+    chunk, sliced by offset like the embeddings (so a restore inside an image span adds the
+    rest of it). The tower output kept in the feature LRU is one array, [image tokens,
+    hidden * (1 + deepstack layers)]: the input embeddings, then each layer's features."""
+
+    name = "Qwen3-VL"
+    model_types = ("qwen3_vl", "qwen3_vl_moe")
+
+    def __init__(self, path: Path, config: dict[str, Any], dtype: Any, tokenizer: Any) -> None:
+        super().__init__(path, config, dtype, tokenizer)
+        self.residual_layers = len(self.model_config.vision_config.deepstack_visual_indexes)
+        self.hidden_size = int(self.model_config.text_config.hidden_size)
+
+    def encode(self, pixels: tuple[np.ndarray, np.ndarray]) -> Any:
+        import mlx.core as mx
+
+        patches, grid_thw = pixels
+        hidden, deepstack = self.tower(mx.array(patches).astype(self.dtype), mx.array(grid_thw))
+        return mx.concatenate([hidden, *deepstack], axis=-1)
+
+    def to_embeddings(self, features: Any) -> Any:
+        return features[:, :self.hidden_size]
+
+    def layer_residuals(self, features: Any) -> list[Any]:
+        width = self.hidden_size
+        return [features[:, width * (layer + 1):width * (layer + 2)]
+                for layer in range(self.residual_layers)]
+
+    def prepare_language_model(self, model: Any) -> None:
+        from rewind.engine.residuals import install_layer_residuals
+
+        super().prepare_language_model(model)  # mrope, and MLX's layers instead of the kernels
+        language = getattr(model, "language_model", model)
+        layers = language.model.layers
+        if self.residual_layers > len(layers):
+            raise VisionUnavailableError(f"{self.residual_layers} deepstack layers for a "
+                                         f"language model of {len(layers)}")
+        install_layer_residuals(model, layers[:self.residual_layers])

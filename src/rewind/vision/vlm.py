@@ -5,8 +5,8 @@ models, the rotary positions) of the language model.
 Only the vision side comes from mlx-vlm. The language model is the one the engine already runs
 (mlx-lm's class for the same folder, which drops the tower), with its normal mlx-lm caches, so an
 image prompt is prefilled, cached, restored and batched exactly like a text prompt; only its
-prefill chunks take embeddings instead of token ids (and explicit positions where the family
-needs them).
+prefill chunks take embeddings instead of token ids (and explicit positions, or additions to
+the first layers' outputs, where the family needs them).
 
 A family is a small adapter chosen by `model_type` (`VisionFamily`): it loads the tower and
 projector, says which tokens an image expands into, preprocesses pixels, runs the tower, and maps
@@ -19,6 +19,10 @@ features to input embeddings. Supported families:
   rewind.vision.qwen_vl for how those reach mlx-lm's language model.
 - Qwen 3.5 (rewind.vision.qwen_vl.Qwen35Vision): Qwen3-VL's ViT before the hybrid language model
   (gated-delta linear attention + full attention), with the same positions, interleaved.
+- Qwen3-VL, dense and MoE (rewind.vision.qwen_vl.Qwen3VLVision): the same ViT and positions,
+  and "deepstack" features added after the language model's first layers at the image tokens
+  (`VisionFamily.layer_residuals`, per prefill chunk through `VisionAdapter.residuals` and
+  rewind.engine.residuals).
 - LLaVA (rewind.vision.llava): CLIP or SigLIP tower and projector before a llama; a fixed count
   of image tokens per image.
 - Pixtral and Mistral 3 (rewind.vision.pixtral): the Pixtral tower at the image's own size; rows
@@ -49,6 +53,8 @@ from rewind.vision.images import DecodedImage, ImageError
 
 EmbedFn = Callable[[int, int], Any]  # (start, end) -> input embeddings [1, end - start, hidden]
 PositionsFn = Callable[[int, int], Any]  # (start, end) -> rotary positions [3, 1, end - start]
+# (start, end) -> {layer: [1, end - start, hidden]} added to those layers' outputs, or None
+ResidualsFn = Callable[[int, int], Any]
 
 
 class VisionUnavailableError(RuntimeError):
@@ -157,6 +163,9 @@ class VisionFamily:
         self.tokenizer = tokenizer
         self.placeholder_id: int = -1  # marks an image in an unexpanded prompt
         self.image_token_id: int = -1  # fills an image span
+        # How many of the language model's first layers get image features added to their
+        # outputs (Qwen3-VL's deepstack: `layer_residuals`); 0 for most families.
+        self.residual_layers = 0
 
     # caller's thread: plain data
     def layout(self, image: DecodedImage) -> ImageLayout:
@@ -177,6 +186,11 @@ class VisionFamily:
     def to_embeddings(self, features: Any) -> Any:
         """Features as the language model's input embeddings (the LRU keeps `features`)."""
         return features
+
+    def layer_residuals(self, features: Any) -> list[Any]:
+        """What is added to the outputs of layers 0 .. residual_layers - 1 at the image tokens:
+        one [image tokens, hidden] per layer, from the same `features`."""
+        return []
 
     def prepare_language_model(self, model: Any) -> None:
         """Adjust the language model the engine runs, once (e.g. multimodal rotary positions)."""
@@ -215,9 +229,10 @@ def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma3 import Gemma3Vision
     from rewind.vision.llava import LlavaVision
     from rewind.vision.pixtral import Mistral3Vision, PixtralVision
-    from rewind.vision.qwen_vl import Qwen35Vision, QwenVLVision
+    from rewind.vision.qwen_vl import Qwen3VLVision, Qwen35Vision, QwenVLVision
 
-    return [Gemma3Vision, QwenVLVision, Qwen35Vision, LlavaVision, PixtralVision, Mistral3Vision]
+    return [Gemma3Vision, QwenVLVision, Qwen35Vision, Qwen3VLVision, LlavaVision, PixtralVision,
+            Mistral3Vision]
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -232,6 +247,49 @@ def family_for(model_type: Any) -> type[VisionFamily]:
     raise VisionUnavailableError(
         f"vision model type {model_type!r} is not supported (supported: {names}); its text "
         "path still works without images")
+
+
+class PromptImages:
+    """One image prompt's images on the engine thread: each image's tower output, computed (or
+    taken from the adapter's LRU) once however many chunks and uses ask for it."""
+
+    def __init__(self, adapter: VisionAdapter, prompt: VisionPrompt,
+                 pixels: Sequence[Any] | None) -> None:
+        self.adapter = adapter
+        self.prompt = prompt
+        self.pixels = pixels
+        self._features: dict[int, Any] = {}
+
+    def features(self, index: int) -> Any:
+        """[image tokens, ...] of the index-th image, checked against its span."""
+        if index not in self._features:
+            span = self.prompt.spans[index]
+            raw = self.adapter.features(span.image,
+                                        None if self.pixels is None else self.pixels[index])
+            tokens = len(self.image_rows(index))
+            if raw.shape[0] != tokens:
+                raise ValueError(f"image {index} gave {raw.shape[0]} features for {tokens} "
+                                 "image tokens")
+            self._features[index] = raw
+        return self._features[index]
+
+    def image_rows(self, index: int) -> list[int]:
+        """Offsets in the index-th span of its image tokens (all of them but where the family
+        puts other tokens inside the span)."""
+        span = self.prompt.spans[index]
+        image_token = self.adapter.family.image_token_id
+        return [i for i, token in enumerate(self.prompt.tokens[span.start:span.end])
+                if token == image_token]
+
+    def overlapping(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(image index, lo, hi) for each span overlapping prompt positions [start, end): its
+        offsets [lo, hi) inside the span."""
+        pieces = []
+        for index, span in enumerate(self.prompt.spans):
+            lo, hi = max(span.start, start), min(span.end, end)
+            if lo < hi:
+                pieces.append((index, lo - span.start, hi - span.start))
+        return pieces
 
 
 class VisionAdapter:
@@ -335,8 +393,14 @@ class VisionAdapter:
         self.feature_cache.put(image.sha256, projected)
         return projected
 
-    def embedder(self, prompt: VisionPrompt, embed_tokens: Callable[[Any], Any],
-                 pixels: Sequence[Any] | None = None) -> EmbedFn:
+    def images(self, prompt: VisionPrompt, pixels: Sequence[Any] | None = None
+               ) -> PromptImages:
+        """The prompt's images for `embedder` and `residuals` (each image's features are
+        computed, or taken from the LRU, once for both); `pixels` are the preprocessed images
+        in span order (None, or a None entry: preprocess when needed)."""
+        return PromptImages(self, prompt, pixels)
+
+    def embedder(self, images: PromptImages, embed_tokens: Callable[[Any], Any]) -> EmbedFn:
         """(start, end) -> input embeddings of prompt positions [start, end) for the language
         model: token embeddings, with each image span's positions taken from its image's
         features. Any [start, end) works, including one that starts or ends inside an image span
@@ -344,22 +408,18 @@ class VisionAdapter:
         """
         import mlx.core as mx
 
+        prompt = images.prompt
         per_image: dict[int, Any] = {}
-        image_token = self.family.image_token_id
 
         def image_embeddings(index: int) -> Any:
             """[span length, hidden]: one row per position of the span."""
             if index not in per_image:
+                embeddings = self.family.to_embeddings(images.features(index)).astype(self.dtype)
                 span = prompt.spans[index]
-                span_tokens = prompt.tokens[span.start:span.end]
-                at = [i for i, token in enumerate(span_tokens) if token == image_token]
-                raw = self.features(span.image, None if pixels is None else pixels[index])
-                if raw.shape[0] != len(at):
-                    raise ValueError(f"image {index} gave {raw.shape[0]} features for "
-                                     f"{len(at)} image tokens")
-                embeddings = self.family.to_embeddings(raw).astype(self.dtype)
-                if len(at) != len(span_tokens):  # other tokens inside the span keep theirs
-                    rows = embed_tokens(mx.array(span_tokens)).astype(self.dtype)
+                at = images.image_rows(index)
+                if len(at) != span.end - span.start:  # other tokens inside the span keep theirs
+                    rows = embed_tokens(mx.array(prompt.tokens[span.start:span.end]))
+                    rows = rows.astype(self.dtype)
                     rows[mx.array(at)] = embeddings
                     embeddings = rows
                 per_image[index] = embeddings
@@ -369,15 +429,56 @@ class VisionAdapter:
             # In the compute dtype: the table may be stored narrower (bf16 on the CPU, where the
             # C kernels read it in place); widening is exact.
             hidden = embed_tokens(mx.array([prompt.tokens[start:end]])).astype(self.dtype)
-            for index, span in enumerate(prompt.spans):
-                lo, hi = max(span.start, start), min(span.end, end)
-                if lo >= hi:
-                    continue
-                piece = image_embeddings(index)[lo - span.start:hi - span.start]
-                hidden[:, lo - start:hi - start, :] = piece.astype(hidden.dtype)
+            for index, lo, hi in images.overlapping(start, end):
+                at = prompt.spans[index].start - start  # the span's offset in this range
+                hidden[:, lo + at:hi + at, :] = image_embeddings(index)[lo:hi].astype(hidden.dtype)
             return hidden
 
         return embed
+
+    def residuals(self, images: PromptImages) -> ResidualsFn | None:
+        """(start, end) -> {layer: [1, end - start, hidden]}: what the family adds to the
+        outputs of its first layers at the image tokens of prompt positions [start, end)
+        (Qwen3-VL's deepstack; zeros elsewhere), or None for a range without image tokens.
+        Like `embedder`, any range works. None for families that add nothing and for prompts
+        without images."""
+        import mlx.core as mx
+
+        if not self.family.residual_layers or not images.prompt.spans:
+            return None
+        prompt = images.prompt
+        per_image: dict[int, list[Any]] = {}
+
+        def image_residuals(index: int) -> list[Any]:
+            """Per layer, [span length, hidden]: zero rows at the span's other tokens."""
+            if index not in per_image:
+                span = prompt.spans[index]
+                at = images.image_rows(index)
+                layers = []
+                for features in self.family.layer_residuals(images.features(index)):
+                    features = features.astype(self.dtype)
+                    if len(at) != span.end - span.start:
+                        rows = mx.zeros((span.end - span.start, features.shape[-1]), self.dtype)
+                        rows[mx.array(at)] = features
+                        features = rows
+                    layers.append(features)
+                per_image[index] = layers
+            return per_image[index]
+
+        def residuals(start: int, end: int) -> dict[int, Any] | None:
+            pieces = images.overlapping(start, end)
+            if not pieces:
+                return None
+            out: dict[int, Any] = {}
+            for index, lo, hi in pieces:
+                at = prompt.spans[index].start - start
+                for layer, features in enumerate(image_residuals(index)):
+                    if layer not in out:
+                        out[layer] = mx.zeros((1, end - start, features.shape[-1]), self.dtype)
+                    out[layer][:, lo + at:hi + at, :] = features[lo:hi]
+            return out
+
+        return residuals
 
     def positioner(self, prompt: VisionPrompt) -> PositionsFn | None:
         """(start, end) -> rotary positions [3, 1, end - start] of those prompt tokens, for
