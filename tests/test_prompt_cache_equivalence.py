@@ -257,6 +257,26 @@ def test_small_ram_tier_keeps_whole_points(tiny: Tiny) -> None:
     assert 256 <= got.restored < len(first.tokens) - 1
 
 
+def test_a_missing_window_record_moves_the_restore_earlier(tiny: Tiny) -> None:
+    """The window rows of the last point are gone (evicted, no disk tier): that point is passed
+    over, an earlier one serves, same answer."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    if not any(isinstance(layer, RotatingKVCache) for layer in make_prompt_cache(tiny.model)):
+        pytest.skip("no sliding-window layers in this family")
+    cache = PromptCache(tiny.model, "tiny", ram_only())
+    first, second = tiny.prompts[:2]
+    answer(tiny.model, first, cache)
+    last_point = len(first.tokens) - 1
+    window_key = cache.point_keys(first.tokens[:last_point])["window"]
+    assert cache.ram.contains(window_key)
+    cache.ram.discard(window_key)
+    got = answer(tiny.model, second, cache)
+    tiny.reference.check(second, got)
+    assert 0 < got.restored < last_point
+    cache.close()
+
+
 def test_hole_in_the_middle_of_a_chain(tiny: Tiny) -> None:
     """Records after a missing one are useless: the restore stops at the hole."""
     source = PromptCache(tiny.model, "tiny", ram_only())

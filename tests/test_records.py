@@ -37,13 +37,15 @@ class Recorder:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self.chain = BlockChain(tokens, ROOT)
-        self.records: dict[int, object] = {}  # block end -> record
+        self.records: dict[int, object] = {}  # block end -> spine record
+        self.windows: dict[int, object] = {}  # block end -> window record
 
     def passed(self, cache: list) -> None:
         offset = rec.cache_offset(cache)
         for block in self.chain.full:
             if block.end == offset and block.end not in self.records:
                 self.records[block.end] = rec.snapshot_kv(cache, block, "x")
+                self.windows[block.end] = rec.snapshot_window(cache, block)
 
     def parts(self, cache: list, tokens: list[int] | None = None) -> rec.RestoreParts:
         """Every record a restore at len(tokens) needs; `tokens` may extend the recorded ones
@@ -53,10 +55,14 @@ class Recorder:
         point = self.chain.at(len(self.tokens))
         blocks = [block for block in self.chain.full if block.end <= point.start]
         blocks.append(point)  # a full point is the last full block itself
-        spine = [self.records.get(block.end) if not block.partial and block.end in self.records
-                 else rec.snapshot_kv(cache, block, "x") for block in blocks]
+        recorded = [not block.partial and block.end in self.records for block in blocks]
+        spine = [self.records[block.end] if known else rec.snapshot_kv(cache, block, "x")
+                 for block, known in zip(blocks, recorded)]
+        windows = [self.windows[block.end] if known else rec.snapshot_window(cache, block)
+                   for block, known in zip(blocks, recorded)]
         return rec.RestoreParts(end=len(self.tokens), kv=spine,
-                                state=rec.snapshot_state(cache, len(self.tokens)))
+                                state=rec.snapshot_state(cache, len(self.tokens)),
+                                window=[w for w in windows if w is not None])
 
 
 def _feed(model, tokens: list[int], cache: list, chunk: int = 256,
@@ -265,16 +271,19 @@ def test_window_rows_are_stored_once_and_only_while_held(tiny_model_path) -> Non
     cache = make_prompt_cache(model)
     recorder = Recorder(prompt)
     _feed(model, prompt, cache, recorder=recorder)
-    record = recorder.records[512]
+    spine, window = recorder.records[512], recorder.windows[512]
     for path, layer in rec.leaves(cache):
-        rows = record.arrays[f"{path}.k"].shape[2]
         if isinstance(layer, RotatingKVCache):
-            assert rows == layer.max_size - layer.keep == 64
-            assert record.meta[f"{path}.from"] == str(512 - 64)
+            assert f"{path}.k" not in spine.arrays
+            assert window.arrays[f"{path}.k"].shape[2] == layer.max_size - layer.keep == 64
+            assert window.meta[f"{path}.from"] == str(512 - 64)
         else:
-            assert rows == 256
+            assert spine.arrays[f"{path}.k"].shape[2] == 256 and f"{path}.k" not in window.arrays
+    rec.snapshot_kv(cache, BlockChain(prompt, ROOT).full[0], "x")  # full attention: all held
     with pytest.raises(rec.RowsGoneError):
-        rec.snapshot_kv(cache, BlockChain(prompt, ROOT).full[0], "x")  # at 600: rows 192..256 gone
+        rec.snapshot_window(cache, BlockChain(prompt, ROOT).full[0])  # at 600: 192..256 gone
+    assert rec.window_blocks(cache, [(0, 256), (256, 512), (512, 600)], 600) == [2]  # 536..600
+    assert rec.window_blocks(cache, [(0, 256), (256, 512), (512, 530)], 530) == [1, 2]  # 466..530
 
 
 def test_a_restore_without_the_window_rows_is_refused() -> None:
@@ -287,7 +296,7 @@ def test_a_restore_without_the_window_rows_is_refused() -> None:
         recorder.passed(live)
     parts = recorder.parts(live)
     assert rec.window_covered([RotatingKVCache(max_size=16)], parts)
-    parts.kv[-1].arrays.pop("0.k")  # the point's own rows 284..300
+    parts.window[-1].arrays.pop("0.k")  # the point's own rows 284..300
     assert not rec.window_covered([RotatingKVCache(max_size=16)], parts)
     with pytest.raises(ValueError, match="rows"):
         rec.rebuild([RotatingKVCache(max_size=16)], parts)

@@ -1,17 +1,19 @@
 """PromptCache: restore the longest cached prefix of a prompt, checkpoint new blocks.
 
 What a restore at point b needs (see records.py):
-  kv      the spine records of every block from the first up to b: the K/V deltas of every
-          attention layer (a sliding window takes its rows from the last blocks before b);
-  state   the state record at b, for recurrent layers.
+  kv      the spine records of every block from the first up to b (the full-attention deltas);
+  window  the window records of the blocks whose rows the sliding windows at b hold: the last
+          few before b, and the first (for `keep` sink rows);
+  state   the state record at b.
 Points are full block boundaries (multiples of block_tokens) and partial points (a prompt's
 end, where the next turn diverges). A partial point's spine record holds the rows from the last
 full boundary to the point and chains from that boundary's key.
 
-Record keys in the tiers: the spine record under the block key itself, its state record under
-the block key plus one tag byte. The tiers' chain-aware LRU sees spine records chained to the
-previous block and state records as children of their own block, so an old point's state goes
-first and a chain never loses a block in its middle.
+Record keys in the tiers: the spine record under the block key itself, its window and state
+records under the block key plus one tag byte. The tiers' chain-aware LRU sees spine records
+chained to the previous block and window/state records as children of their own block, so old
+blocks' window rows and old points' states go first (to disk, where there is one) and a chain
+never loses a block in its middle.
 
 The prompt cache never raises into the engine for a storage problem: a record that is missing,
 corrupt or fails its identity check only shortens the restored prefix.
@@ -37,7 +39,7 @@ from rewind.paths import scratch_dir
 
 log = logging.getLogger(__name__)
 
-_TAG = {rec.STATE: b"s"}  # the point records beside a spine record
+_TAG = {rec.WINDOW: b"w", rec.STATE: b"s"}  # the records beside a block's spine record
 _MAX_PARTIAL_POINTS = 1 << 16  # bound on the in-memory index of partial checkpoints
 _MAX_RESTORE_ATTEMPTS = 4  # a failing record shortens the plan; give up after this many
 
@@ -59,6 +61,7 @@ class _Point:
 
     identity: BlockIdentity
     spine: list[BlockIdentity]  # every spine block from the first up to the point
+    windows: list[int]  # indices into `spine` of the blocks whose window records it needs
 
 
 def _open_store(config: CacheConfig) -> Any | None:
@@ -174,18 +177,15 @@ class PromptCache:
             spine.append(point)  # a full point is the last full block itself
             new: list[tuple[bytes, bytes | None, Record]] = []
             for block in spine:
-                if not self._has(block.key):
-                    images = images_digest(extras, block.start, block.end)
-                    try:
-                        record = rec.snapshot_kv(cache, block, images)
-                    except rec.RowsGoneError as error:
-                        # Store what comes before it: a chain never gets a block it cannot
-                        # rebuild, and a later prefill that passes this block stores it whole.
-                        self._counters["blocks_past_window"] += 1
-                        log.info("checkpoint stops at %d: %s", block.start, error)
-                        self._store(new, spine)
-                        return
-                    new.append((block.key, block.parent, record))
+                try:
+                    new += self._block_records(cache, block, extras)
+                except rec.RowsGoneError as error:
+                    # Store what comes before it: a chain never gets a block it cannot
+                    # rebuild, and a later prefill that passes this block stores it whole.
+                    self._counters["blocks_past_window"] += 1
+                    log.info("checkpoint stops at %d: %s", block.start, error)
+                    self._store(new, spine)
+                    return
             key = point.key + _TAG[rec.STATE]
             if not self._has(key):
                 record = rec.snapshot_state(cache, point.end)
@@ -194,6 +194,21 @@ class PromptCache:
             if point.partial:
                 self._remember_partial(point)
             self._store(new, spine)
+
+    def _block_records(self, cache: Sequence[Any], block: BlockIdentity,
+                       extras: BlockExtras | None) -> list[tuple[bytes, bytes | None, Record]]:
+        """The spine and window records of `block` not stored yet (a window record may have
+        been evicted while its block stayed). RowsGoneError when the window rows are gone."""
+        records: list[tuple[bytes, bytes | None, Record]] = []
+        window_key = block.key + _TAG[rec.WINDOW]
+        if not self._has(window_key):
+            window = rec.snapshot_window(cache, block)
+            if window is not None:
+                records.append((window_key, block.key, window))
+        if not self._has(block.key):
+            images = images_digest(extras, block.start, block.end)
+            records.insert(0, (block.key, block.parent, rec.snapshot_kv(cache, block, images)))
+        return records
 
     def _store(self, new: list[tuple[bytes, bytes | None, Record]], spine: list[BlockIdentity]) -> None:
         """Put one point's new records into RAM, or straight to disk when the point's whole
@@ -229,12 +244,12 @@ class PromptCache:
     def point_keys(
         self, tokens: Sequence[int], extras: BlockExtras | None = None, max_kv_size: int | None = None
     ) -> dict[str, bytes]:
-        """Tier keys of the records at point len(tokens): "kv" (the spine record of its block)
-        and "state" (for inspection, tests and debugging)."""
+        """Tier keys of the records at point len(tokens): "kv" (the spine record of its block),
+        "window" (its window rows) and "state" (for inspection, tests and debugging)."""
         template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
         chain = BlockChain(tokens, self._root(template, extras), extras, self.block_tokens)
         key = chain.at(len(tokens)).key
-        return {rec.KV: key, rec.STATE: key + _TAG[rec.STATE]}
+        return {rec.KV: key, rec.WINDOW: key + _TAG[rec.WINDOW], rec.STATE: key + _TAG[rec.STATE]}
 
     def flush(self) -> None:
         """Wait until every record handed to the disk tier is written (tests, benchmarks)."""
@@ -270,7 +285,7 @@ class PromptCache:
         chain = BlockChain(tokens, root, extras, self.block_tokens)
         limit = len(tokens) - 1  # the last token is always computed: its logits are sampled
         for _ in range(_MAX_RESTORE_ATTEMPTS):
-            point = self._plan(chain, limit, needs)
+            point = self._plan(chain, limit, needs, template)
             if point is None:
                 return nothing
             loaded = self._load(point, needs, extras, template)
@@ -282,7 +297,7 @@ class PromptCache:
             return Restored(cache, point.identity.end, ram_tokens, disk_tokens, 0.0)
         return nothing
 
-    def _plan(self, chain: BlockChain, limit: int, needs: set[str]) -> _Point | None:
+    def _plan(self, chain: BlockChain, limit: int, needs: set[str], template: list) -> _Point | None:
         """The furthest point <= limit whose records are all present in RAM or on disk."""
         present: list[BlockIdentity] = []
         for block in chain.full:
@@ -302,10 +317,17 @@ class PromptCache:
         for _, point, spine_blocks in sorted(candidates, key=lambda c: c[0], reverse=True):
             if point.partial and not self._has(point.key):
                 continue
-            if all(self._has(point.key + _TAG[kind]) for kind in needs):
-                spine = present[:spine_blocks] + ([point] if point.partial else [])
-                return _Point(point, spine)
+            if not all(self._has(point.key + _TAG[kind]) for kind in needs):
+                continue
+            spine = present[:spine_blocks] + ([point] if point.partial else [])
+            windows = self._window_blocks(template, spine, point.end)
+            if all(self._has(spine[i].key + _TAG[rec.WINDOW]) for i in windows):
+                return _Point(point, spine, windows)
         return None
+
+    @staticmethod
+    def _window_blocks(template: list, spine: list[BlockIdentity], end: int) -> list[int]:
+        return rec.window_blocks(template, [(block.start, block.end) for block in spine], end)
 
     def _load(
         self, point: _Point, needs: set[str], extras: BlockExtras | None, template: list
@@ -325,22 +347,29 @@ class PromptCache:
                 return block.start
             spine_records.append(record)
             block_from_disk.append(from_disk)
-        extra: dict[str, Record | None] = {rec.STATE: None}
+        windows: list[Record] = []
+        for index in point.windows:
+            block = point.spine[index]
+            record, from_disk = self._get(block.key + _TAG[rec.WINDOW], block.key)
+            if (record is None or record.meta.get("kind") != rec.WINDOW
+                    or record.meta.get("end") != str(block.end)):
+                self._counters["missing_records"] += 1
+                return point.identity.end - 1  # plan again: an earlier point may not need it
+            windows.append(record)
+            block_from_disk[index] = block_from_disk[index] or from_disk
+        state: Record | None = None
         end = point.identity.end
-        point_from_disk = False
-        for kind in needs:
-            record, from_disk = self._get(point.identity.key + _TAG[kind], point.identity.key)
-            if record is None or record.meta.get("kind") != kind or record.meta.get("end") != str(end):
+        if rec.STATE in needs:
+            record, from_disk = self._get(point.identity.key + _TAG[rec.STATE], point.identity.key)
+            if record is None or record.meta.get("kind") != rec.STATE or record.meta.get("end") != str(end):
                 self._counters["missing_records"] += 1
                 return end - 1  # plan again for an earlier point
-            extra[kind] = record
-            point_from_disk = point_from_disk or from_disk
-        if point_from_disk and block_from_disk:
-            block_from_disk[-1] = True  # the point's state came from disk
-        parts = rec.RestoreParts(end=end, kv=spine_records, state=extra[rec.STATE])
+            state = record
+            if from_disk and block_from_disk:
+                block_from_disk[-1] = True  # the point's state came from disk
+        parts = rec.RestoreParts(end=end, kv=spine_records, state=state, window=windows)
         if not rec.window_covered(template, parts):
-            # A window row no block holds (a block stored after its rows left the live cache):
-            # the points up to here cannot be rebuilt.
+            # A window row in no record (a record from another layout, a bug): recompute.
             self._counters["missing_records"] += 1
             return end - 1
         sizes = [block.end - block.start for block in point.spine]

@@ -1,22 +1,21 @@
-"""Snapshot and restore of mlx-lm caches, one record per layer kind per checkpoint.
+"""Snapshot and restore of mlx-lm caches: per-block records, and one record per point.
 
-Two kinds of record, because attention and recurrent layers need different things to resume:
-
-  kv      the spine, one record per block: the K/V rows of that block only, a delta, for every
-          attention layer. Full attention (KVCache, QuantizedKVCache) keeps all its rows, so the
-          cache at position b is the concatenation of the deltas of every block up to b. A sliding
-          window (RotatingKVCache, max_size M, keep K) only ever needs, at any later point b, its
-          first K rows and its last M - K: a block stores the rows of those that can still be
-          needed ([max(start, end - (M - K)), end), plus any of [0, K) it holds), and a restore
-          takes the window from the blocks before b. Each position is stored once, where a
-          window snapshot at every checkpoint would store it M / 256 times over, and a point at
-          a message boundary costs its own rows only.
-          The record also carries the block's tokens and the key it chains from, checked on
-          every hit, so a hash collision never restores a wrong cache.
+  kv      the spine, one record per block: the K/V rows of that block only (a delta) of every
+          full-attention layer (KVCache, QuantizedKVCache). The cache at position b is the
+          concatenation of the deltas of every block up to b. The record also carries the
+          block's tokens and the key it chains from, checked on every hit, so a hash collision
+          never restores a wrong cache.
+  window  per block too, beside its spine record: the rows of the block's sliding-window layers
+          (RotatingKVCache, max_size M, keep K) that a later point can still need: its last
+          M - K rows, and any of the first K. The window at any point b is its first K rows and
+          its last M - K, so a restore reads the window records of the last few blocks before b
+          (and of the first block for the K sinks), never the others. Each position is stored
+          once, where a snapshot of the whole window at every checkpoint would store it M / 256
+          times over and give every message-boundary point a full window of its own.
   state   recurrent (ArraysCache: gated delta net conv + recurrent state, Mamba): the whole
           state at the point, which cannot be rebuilt from deltas.
 
-All layers share one record per kind (arrays named by layer path, e.g. "3.k", "5.1" or, in a
+All layers of a kind share one record (arrays named by layer path, e.g. "3.k", "5.1" or, in a
 CacheList, "7.0.k"; a window layer's sink rows as "3.sk"). Records hold copies, not views: a
 view would keep the whole live cache buffer alive in the RAM tier and block MLX from updating
 that buffer in place.
@@ -24,7 +23,7 @@ that buffer in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -39,7 +38,7 @@ from mlx_lm.models.cache import (
 from rewind.cache.blocks import BlockIdentity
 from rewind.cache.serialize import Record
 
-KV, WINDOW, STATE = "kv", "window", "state"  # layer kinds; WINDOW rows live in kv records
+KV, WINDOW, STATE = "kv", "window", "state"
 PREALLOC_STEP = 256  # mlx-lm's KVCache.step: restored caches grow like fresh ones
 
 
@@ -144,10 +143,8 @@ def window_span(layer: RotatingKVCache, start: int, end: int) -> tuple[int, int]
 
 
 def snapshot_kv(cache: Sequence[Any], block: BlockIdentity, extras_digest: str) -> Record:
-    """The K/V rows of block [block.start, block.end) of every attention layer (for windows,
-    those a later point may need), plus the block's identity (tokens, the key it chains from,
-    the extras digest) for the check on a hit. RowsGoneError when a window layer no longer
-    holds the rows (a block stored long after the prefill passed it)."""
+    """The K/V rows [block.start, block.end) of every full-attention layer, plus the block's
+    identity (tokens, the key it chains from, the extras digest) for the check on a hit."""
     arrays: dict[str, mx.array] = {"tokens": mx.array(block.tokens, dtype=mx.int32)}
     meta = {
         "kind": KV,
@@ -157,30 +154,48 @@ def snapshot_kv(cache: Sequence[Any], block: BlockIdentity, extras_digest: str) 
         "extras": extras_digest,
     }
     for path, layer in leaves(cache):
-        kind = kind_of(layer)
-        if kind == STATE:
+        if kind_of(layer) != KV:
             continue
         if layer.offset < block.end:
             raise ValueError(f"layer {path} holds {layer.offset} tokens, block ends at {block.end}")
-        if kind == WINDOW:
-            sinks = (_window_rows(layer, block.start, min(block.end, layer.keep))
-                     if block.start < layer.keep else None)
-            lo, hi = window_span(layer, block.start, block.end)
-            rows = _window_rows(layer, lo, hi) if lo < hi else None
-            if (block.start < layer.keep and sinks is None) or (lo < hi and rows is None):
-                raise RowsGoneError(f"layer {path} no longer holds rows {lo}..{hi}")
-            if sinks is not None:
-                arrays[f"{path}.sk"], arrays[f"{path}.sv"] = sinks
-            if rows is not None:
-                arrays[f"{path}.k"], arrays[f"{path}.v"] = rows
-            meta[f"{path}.from"] = str(lo)
-        elif isinstance(layer, QuantizedKVCache):
+        if isinstance(layer, QuantizedKVCache):
             for name, parts in (("k", layer.keys), ("v", layer.values)):
                 for index, part in enumerate(parts):
                     arrays[f"{path}.{name}{index}"] = _rows(part, block.start, block.end)
         else:
             arrays[f"{path}.k"] = _rows(layer.keys, block.start, block.end)
             arrays[f"{path}.v"] = _rows(layer.values, block.start, block.end)
+    mx.eval(list(arrays.values()))
+    return Record(arrays=arrays, meta=meta)
+
+
+def snapshot_window(cache: Sequence[Any], block: BlockIdentity) -> Record | None:
+    """The rows of block [block.start, block.end) of every sliding-window layer that a later
+    point may need; None for a model without such layers. RowsGoneError when a layer no longer
+    holds them (a block stored long after the prefill passed it)."""
+    arrays: dict[str, mx.array] = {}
+    meta = {"kind": WINDOW, "start": str(block.start), "end": str(block.end)}
+    found = False
+    for path, layer in leaves(cache):
+        if kind_of(layer) != WINDOW:
+            continue
+        found = True
+        if layer.offset < block.end:
+            raise ValueError(f"layer {path} holds {layer.offset} tokens, block ends at {block.end}")
+        lo, hi = window_span(layer, block.start, block.end)
+        if block.start < layer.keep:
+            sinks = _window_rows(layer, block.start, min(block.end, layer.keep))
+            if sinks is None:
+                raise RowsGoneError(f"layer {path} no longer holds its first rows")
+            arrays[f"{path}.sk"], arrays[f"{path}.sv"] = sinks
+        if lo < hi:
+            rows = _window_rows(layer, lo, hi)
+            if rows is None:
+                raise RowsGoneError(f"layer {path} no longer holds rows {lo}..{hi}")
+            arrays[f"{path}.k"], arrays[f"{path}.v"] = rows
+        meta[f"{path}.from"] = str(lo)
+    if not found:
+        return None
     mx.eval(list(arrays.values()))
     return Record(arrays=arrays, meta=meta)
 
@@ -226,12 +241,14 @@ def snapshot_state(cache: Sequence[Any], end: int) -> Record | None:
 @dataclass
 class RestoreParts:
     """Records that together rebuild the cache at `end`: the kv spine from the first block up to
-    `end` in order, and the state record at `end` (None where the model has no recurrent
-    layers)."""
+    `end` in order, the window records of the blocks whose rows the windows at `end` need
+    (`window_blocks`, in chain order), and the state record at `end` (None where the model has
+    no such layers)."""
 
     end: int
     kv: list[Record]
     state: Record | None
+    window: list[Record] = field(default_factory=list)
 
 
 def _preallocated(pieces: list[mx.array], end: int) -> mx.array:
@@ -261,11 +278,24 @@ def window_needed(layer: RotatingKVCache, end: int) -> list[tuple[int, int]]:
     return [*ranges, (end - (layer.max_size - layer.keep), end)]
 
 
-def _window_from_spine(path: str, layer: RotatingKVCache, parts: RestoreParts) -> tuple[mx.array, mx.array]:
-    """The window at parts.end from the rows the spine records hold; ValueError when a needed
-    row is in none of them."""
+def window_blocks(template: Sequence[Any], blocks: Sequence[tuple[int, int]], end: int) -> list[int]:
+    """Indices of the blocks [(start, end), ...] (a restore's spine, in order) whose window rows
+    a restore at `end` needs: those that hold any row of some window layer's needed ranges."""
+    wanted: set[int] = set()
+    for _, layer in leaves(template):
+        if kind_of(layer) != WINDOW:
+            continue
+        for lo, hi in window_needed(layer, end):
+            wanted.update(index for index, (start, stop) in enumerate(blocks)
+                          if start < hi and lo < stop)
+    return sorted(wanted)
+
+
+def _window_from_records(path: str, layer: RotatingKVCache, parts: RestoreParts) -> tuple[mx.array, mx.array]:
+    """The window at parts.end from the window records' rows; ValueError when a needed row is
+    in none of them."""
     pieces: list[tuple[int, int, mx.array, mx.array]] = []  # (start, end, keys, values)
-    for record in parts.kv:
+    for record in parts.window:
         start, end = int(record.meta["start"]), int(record.meta["end"])
         if f"{path}.sk" in record.arrays:
             sinks = record.arrays[f"{path}.sk"]
@@ -273,6 +303,7 @@ def _window_from_spine(path: str, layer: RotatingKVCache, parts: RestoreParts) -
         if f"{path}.k" in record.arrays:
             lo = int(record.meta[f"{path}.from"])
             pieces.append((lo, end, record.arrays[f"{path}.k"], record.arrays[f"{path}.v"]))
+    pieces.sort(key=lambda piece: piece[0])
     keys: list[mx.array] = []
     values: list[mx.array] = []
     for want_lo, want_hi in window_needed(layer, parts.end):
@@ -291,11 +322,11 @@ def _window_from_spine(path: str, layer: RotatingKVCache, parts: RestoreParts) -
 
 
 def window_covered(template: Sequence[Any], parts: RestoreParts) -> bool:
-    """Whether the spine records hold every window row a restore at parts.end needs."""
+    """Whether the window records hold every window row a restore at parts.end needs."""
     try:
         for path, layer in leaves(template):
             if kind_of(layer) == WINDOW:
-                _window_from_spine(path, layer, parts)
+                _window_from_records(path, layer, parts)
     except (ValueError, KeyError):
         return False
     return True
@@ -323,7 +354,7 @@ def rebuild(template: Sequence[Any], parts: RestoreParts) -> list[Any]:
                 restored += [layer.keys, layer.values]
             layer.offset = end
         elif kind == WINDOW:
-            keys, values = _window_from_spine(path, layer, parts)
+            keys, values = _window_from_records(path, layer, parts)
             # Fresh arrays (a concatenation, or a copy): RotatingKVCache writes into its arrays
             # in place (slice assignment), and the records also live in the RAM tier.
             layer.keys, layer.values = keys, values
