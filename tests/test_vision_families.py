@@ -1,9 +1,9 @@
-"""LLaVA, Pixtral and Mistral 3 (with Mistral's or Ministral 3's text model) image prompts
-(1-D positions; input embeddings only): the prompt layout and pixels equal mlx-vlm's own
-processors' (Pixtral's row breaks included), embeddings, logits and greedy decode equal
-mlx-vlm's own model, and the prompt cache never changes an answer (repeat, a restore inside an
-image span, the next turn, another image at the same place), batched with text requests or
-not."""
+"""LLaVA, Pixtral, Mistral 3 (with Mistral's or Ministral 3's text model), Idefics 3 and SmolVLM
+image prompts (1-D positions; input embeddings only): the prompt layout and pixels equal
+mlx-vlm's own processors' (Pixtral's row breaks included; Idefics 3's tiles in
+tests/test_vision_idefics3.py), embeddings, logits and greedy decode equal mlx-vlm's own model,
+and the prompt cache never changes an answer (repeat, a restore inside an image span, the next
+turn, another image at the same place), batched with text requests or not."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from vision_helpers import (
     batched_equals_alone,
     generation,
     image_prompt,
+    mlx_vlm_embeddings,
     mlx_vlm_greedy,
     picture,
     prefix_of,
+    processed_by_mlx_vlm,
+    text_parts,
     two_image_prompts,
+    two_image_text,
 )
 
 pytest.importorskip("mlx_vlm")
@@ -30,6 +34,8 @@ import numpy as np  # noqa: E402
 from rewind.config import EngineConfig  # noqa: E402
 from rewind.engine import Engine  # noqa: E402
 from rewind.models.loader import load_model  # noqa: E402
+from rewind.testing.tiny_idefics3 import MODEL_TYPES as IDEFICS3_TYPES  # noqa: E402
+from rewind.testing.tiny_idefics3 import build_tiny_idefics3_model  # noqa: E402
 from rewind.testing.tiny_vlm import (  # noqa: E402
     IMG_BREAK,
     IMG_END,
@@ -44,10 +50,12 @@ from rewind.vision.vlm import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(scope="module", params=[*VARIANTS, *IDEFICS3_TYPES])
 def vision(request, tmp_path_factory):
     variant = request.param
-    folder = build_tiny_vlm_model(tmp_path_factory.mktemp(f"tiny-{variant}"), variant)
+    out_dir = tmp_path_factory.mktemp(f"tiny-{variant}")
+    folder = (build_tiny_idefics3_model(out_dir, variant) if variant in IDEFICS3_TYPES
+              else build_tiny_vlm_model(out_dir, variant))
     loaded = load_model(str(folder))
     return loaded, adapter_for(loaded)
 
@@ -56,54 +64,14 @@ def model_type(vision) -> str:
     return vision[0].config["model_type"]
 
 
-def processed_by_mlx_vlm(vision, text: str, images: list) -> dict:
-    """mlx-vlm's own processor for the folder (its prompt expansion and pixels)."""
-    from mlx_vlm.utils import load_processor
-
-    loaded, _ = vision
-    processor = load_processor(Path(loaded.path))
-    out = processor(text=text, images=[image.rgb() for image in images])
-    return {key: np.array(value) for key, value in out.items()}
-
-
-def mlx_vlm_embeddings(reference_model, processed: dict):
-    kwargs = {}
-    if "image_sizes" in processed:
-        kwargs["image_sizes"] = [tuple(int(v) for v in size) for size in processed["image_sizes"]]
-    return reference_model.get_input_embeddings(
-        mx.array(processed["input_ids"]), mx.array(processed["pixel_values"]), **kwargs
-    ).inputs_embeds
-
-
-def two_image_text(vision) -> str:
-    loaded, adapter = vision
-    placeholder = loaded.tokenizer.convert_ids_to_tokens(adapter.placeholder_id)
-    return f"Look: {placeholder} and then {placeholder} compare them"
-
-
-def _parts(vision, text: str, images: list) -> list:
-    """The text with its placeholders (BOS first, as the tokenizer encodes it) as image_prompt
-    parts."""
-    loaded, adapter = vision
-    parts: list = []
-    tokens = list(loaded.tokenizer.encode(text))
-    index = 0
-    run: list[int] = []
-    for token in tokens:
-        if token == adapter.placeholder_id:
-            parts += [run, images[index]]
-            run, index = [], index + 1
-        else:
-            run.append(token)
-    return [*parts, run]
-
-
 # ---- the adapter against mlx-vlm --------------------------------------------------------------
 
 
 def test_layout_and_pixels_equal_mlx_vlm_processor(vision):
     """Two images of different sizes: the expanded tokens are what mlx-vlm's processor writes
     for the same text, and each image's pixels are its (unpadded) pixels."""
+    if model_type(vision) in IDEFICS3_TYPES:
+        pytest.skip("tiles and their markers: tests/test_vision_idefics3.py")
     loaded, adapter = vision
     images = [picture(1), picture(2, (200, 330))]
     text = two_image_text(vision)
@@ -145,7 +113,7 @@ def test_embeddings_and_logits_equal_mlx_vlm(vision):
     processed = processed_by_mlx_vlm(vision, text, images)
     reference_model = load_vlm(Path(loaded.path))
     expected_embeddings = mlx_vlm_embeddings(reference_model, processed)
-    prompt = image_prompt(vision, _parts(vision, text, images))
+    prompt = image_prompt(vision, text_parts(vision, text, images))
     ours = prompt.embed(0, len(prompt.tokens))
     np.testing.assert_allclose(np.array(ours), np.array(expected_embeddings), atol=1e-5)
     ids = mx.array([prompt.tokens])
@@ -153,7 +121,7 @@ def test_embeddings_and_logits_equal_mlx_vlm(vision):
     logits = loaded.model(ids, input_embeddings=ours)
     np.testing.assert_allclose(np.array(logits), np.array(expected), atol=1e-3)
     # The image matters (this test can fail): another picture changes the last logits.
-    other = image_prompt(vision, _parts(vision, text, [picture(5), images[1]]))
+    other = image_prompt(vision, text_parts(vision, text, [picture(5), images[1]]))
     changed = loaded.model(ids, input_embeddings=other.embed(0, len(other.tokens)))
     assert np.abs(np.array(changed[0, -1]) - np.array(logits[0, -1])).max() > 0.1
 
@@ -169,7 +137,7 @@ def test_greedy_decode_after_the_image_equals_mlx_vlm(vision):
     reference_model = load_vlm(Path(loaded.path))
     language = reference_model.language_model
     cache = (language.make_cache() if hasattr(language, "make_cache")
-             else [KVCache() for _ in language.model.layers])
+             else [KVCache() for _ in reference_model.layers])
     embeddings = prompt.embed(0, len(prompt.tokens))  # equal to mlx-vlm's (the test above)
     logits = language(mx.array([prompt.tokens]), inputs_embeds=embeddings, cache=cache).logits
     expected, expected_logprobs = mlx_vlm_greedy(language, logits, cache)
@@ -188,9 +156,10 @@ def test_the_language_model_takes_the_engines_backbone_then_head_path(vision):
 
 
 def test_unsupported_vision_family_names_the_supported_ones(tmp_path):
-    config = {"model_type": "idefics3", "vision_config": {"model_type": "idefics3_vision"}}
-    with pytest.raises(VisionUnavailableError, match=r"'idefics3' is not supported.*Gemma 3.*"
-                                                     r"qwen2_5_vl.*llava.*pixtral.*mistral3"):
+    config = {"model_type": "llava_next", "vision_config": {"model_type": "clip_vision_model"}}
+    with pytest.raises(VisionUnavailableError, match=r"'llava_next' is not supported.*Gemma 3.*"
+                                                     r"qwen2_5_vl.*qwen3_vl.*llava.*pixtral.*"
+                                                     r"mistral3.*idefics3, smolvlm"):
         load_vision_adapter(tmp_path, config, mx.float32)
 
 

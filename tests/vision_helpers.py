@@ -129,6 +129,55 @@ def batched_equals_alone(vision, prompts: list[ImagePrompt], scratch: Path) -> N
     assert [c.tokens for c in together] == alone
 
 
+def processed_by_mlx_vlm(vision, text: str, images: list, processor=None) -> dict:
+    """mlx-vlm's own processor for the folder (its prompt expansion and pixels); `processor`:
+    one loaded (and changed) already."""
+    from mlx_vlm.utils import load_processor
+
+    loaded, _ = vision
+    processor = processor or load_processor(Path(loaded.path))
+    out = processor(text=text, images=[image.rgb() for image in images])
+    return {key: np.array(value) for key, value in out.items()}
+
+
+def mlx_vlm_embeddings(reference_model, processed: dict):
+    """mlx-vlm's whole model's input embeddings for its processor's output."""
+    import mlx.core as mx
+
+    kwargs = {}
+    if "image_sizes" in processed:
+        kwargs["image_sizes"] = [tuple(int(v) for v in size) for size in processed["image_sizes"]]
+    if "pixel_attention_mask" in processed:  # Idefics 3 / SmolVLM
+        kwargs["pixel_attention_mask"] = mx.array(processed["pixel_attention_mask"])
+    return reference_model.get_input_embeddings(
+        mx.array(processed["input_ids"]), mx.array(processed["pixel_values"]), **kwargs
+    ).inputs_embeds
+
+
+def two_image_text(vision) -> str:
+    """A text with two image placeholders (the model's own placeholder token)."""
+    loaded, adapter = vision
+    placeholder = loaded.tokenizer.convert_ids_to_tokens(adapter.placeholder_id)
+    return f"Look: {placeholder} and then {placeholder} compare them"
+
+
+def text_parts(vision, text: str, images: list) -> list:
+    """The text with its placeholders (BOS first, as the tokenizer encodes it) as image_prompt
+    parts."""
+    loaded, adapter = vision
+    parts: list = []
+    tokens = list(loaded.tokenizer.encode(text))
+    index = 0
+    run: list[int] = []
+    for token in tokens:
+        if token == adapter.placeholder_id:
+            parts += [run, images[index]]
+            run, index = [], index + 1
+        else:
+            run.append(token)
+    return [*parts, run]
+
+
 def mlx_vlm_greedy(language, logits, cache, first_position: int | None = None,
                    steps: int = 8) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probabilities from mlx-vlm's language model, continuing

@@ -1,19 +1,23 @@
-"""What some model folders leave out of config.json that mlx-lm's loader needs.
+"""What some model folders need beyond what mlx-lm's loader does with them on its own.
 
 transformers fills absent config fields from each config class's defaults; mlx-lm reads
 config.json as it is and requires the sizes. `model_config_overrides(config)` returns the fields
 to hand mlx-lm's loader (its `model_config`, which replaces top-level keys) so such folders load
-as transformers would build them; an empty dict for every other folder.
+as transformers would build them; an empty dict for every other folder. `model_classes(config)`
+returns the `get_model_classes` for folders mlx-lm has no class for, None for the others.
 
 Known quirks:
 
 - LLaVA 1.5 from llava-hf (`model_type` "llava"): `text_config` names the llama's model type,
   context length and vocabulary but leaves its sizes to transformers' `LlamaConfig` defaults
   (the 7B sizes). Only the absent fields are filled, so a folder that states them is unchanged.
+- Idefics 3 and SmolVLM (`idefics3`, `smolvlm`): no mlx-lm class; their language model is a
+  llama under other weight names (rewind.models.idefics3_text).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # transformers' LlamaConfig defaults for the fields mlx-lm's llama needs (the LLaVA 1.5 7B
@@ -55,3 +59,15 @@ def model_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     none."""
     quirk = _QUIRKS.get(config.get("model_type"))
     return quirk(config) if quirk is not None else {}
+
+
+ModelClasses = Callable[[dict[str, Any]], tuple[type, type]]
+
+
+def model_classes(config: dict[str, Any]) -> ModelClasses | None:
+    """mlx-lm's `get_model_classes` for folders it has no class for; None: mlx-lm's own."""
+    if config.get("model_type") in ("idefics3", "smolvlm"):
+        from rewind.models.idefics3_text import get_model_classes
+
+        return get_model_classes
+    return None

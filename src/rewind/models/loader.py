@@ -160,14 +160,22 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
                native_forward: str | None = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
     prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
-    from mlx_lm.utils import load
+    from mlx_lm.utils import load, load_tokenizer
+    from mlx_lm.utils import load_model as load_mlx_model
 
-    from rewind.models.folder_quirks import model_config_overrides
+    from rewind.models.folder_quirks import model_classes, model_config_overrides
 
     path = resolve(name_or_path)
     config = json.loads((path / "config.json").read_text())
     # Fields some folders leave to transformers' defaults (llava-hf's LLaVA 1.5 text sizes).
-    model, tokenizer = load(str(path), model_config=model_config_overrides(config) or None)
+    overrides = model_config_overrides(config) or None
+    classes = model_classes(config)
+    if classes is None:
+        model, tokenizer = load(str(path), model_config=overrides)
+    else:  # a folder mlx-lm has no class for (Idefics 3's llama): what `load` does, with ours
+        model, loaded_config = load_mlx_model(path, model_config=overrides,
+                                              get_model_classes=classes)
+        tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
     prepare_for_backend(model, dtype, cpu_head, native_forward)
     release_free_heap()
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,

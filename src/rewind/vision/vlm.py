@@ -28,6 +28,8 @@ features to input embeddings. Supported families:
 - Pixtral and Mistral 3 (rewind.vision.pixtral): the Pixtral tower at the image's own size; rows
   of image tokens with a break token between rows (other tokens inside an image's span, see
   `ImageLayout.tokens`).
+- Idefics 3 and SmolVLM (rewind.vision.idefics3): a SigLIP-style tower over the image's tiles
+  and a global tile, pixel-shuffled; each tile's image tokens behind its row/column marker.
 
 Other vision folders are refused with an error that names these (`VisionUnavailableError`);
 their text path still works.
@@ -227,12 +229,13 @@ class VisionFamily:
 
 def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma3 import Gemma3Vision
+    from rewind.vision.idefics3 import Idefics3Vision
     from rewind.vision.llava import LlavaVision
     from rewind.vision.pixtral import Mistral3Vision, PixtralVision
     from rewind.vision.qwen_vl import Qwen3VLVision, Qwen35Vision, QwenVLVision
 
     return [Gemma3Vision, QwenVLVision, Qwen35Vision, Qwen3VLVision, LlavaVision, PixtralVision,
-            Mistral3Vision]
+            Mistral3Vision, Idefics3Vision]
 
 
 def supported_model_types() -> tuple[str, ...]:
