@@ -1,13 +1,36 @@
-"""Shared fixtures: tiny random-weight models, built once per test session."""
+"""Shared fixtures: tiny random-weight models, built once per test session.
+
+The suite compares answers at float32 tolerances on every backend: on a GPU the models compute
+in float32 (REWIND_COMPUTE_DTYPE) with full-precision matmuls (MLX_ENABLE_TF32=0: MLX's CUDA
+backend otherwise runs float32 matmuls as TF32, ~3e-4 relative error). Both are set before MLX
+is imported, and child processes inherit them. Tests of the CPU kernels are marked `cpu_only`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+os.environ.setdefault("REWIND_COMPUTE_DTYPE", "float32")
+
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path
 
-import pytest
+import pytest  # noqa: E402
 
-from rewind.testing.tiny_models import FAMILIES, build_tiny_model
+from rewind.testing.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cpu_only` tests (the C kernels, the CPU loader path) skip on another backend."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return
+    skip = pytest.mark.skip(reason="tests the CPU backend's path")
+    for item in items:
+        if "cpu_only" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

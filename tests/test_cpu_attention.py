@@ -12,8 +12,8 @@ from mlx_lm.models.base import create_causal_mask
 from rewind.engine import native
 from rewind.engine.cpu_attention import attention
 
-pytestmark = pytest.mark.skipif(native.load_kernels() is None or mx.default_device() != mx.cpu,
-                                reason="needs the CPU backend, x86-64 AVX2 and a C compiler")
+pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(native.load_kernels() is None or mx.default_device() != mx.cpu,
+                                reason="needs the CPU backend, x86-64 AVX2 and a C compiler")]
 TOLERANCE = 1e-4
 
 

@@ -147,6 +147,7 @@ kernel_needed = pytest.mark.skipif(fast_head.build_kernel() is None,
 
 @kernel_needed
 @pytest.mark.parametrize("rows", [1, 3, 11])
+@pytest.mark.cpu_only
 def test_cpu_head_bf16_matches_float32_matmul(rows: int) -> None:
     mx.random.seed(1)
     # bf16-representable weights (a bf16 checkpoint widened to float32): the bf16 head is exact
@@ -160,6 +161,7 @@ def test_cpu_head_bf16_matches_float32_matmul(rows: int) -> None:
 
 
 @kernel_needed
+@pytest.mark.cpu_only
 def test_cpu_head_int8_is_within_its_rounding_bound() -> None:
     mx.random.seed(2)
     weight = mx.random.normal((4096, 64)) * 0.05
@@ -175,6 +177,7 @@ def test_cpu_head_int8_is_within_its_rounding_bound() -> None:
 
 
 @kernel_needed
+@pytest.mark.cpu_only
 def test_installed_head_is_used_by_last_logits(tiny_model_path) -> None:
     loaded_model = load_model(str(tiny_model_path("llama")), cpu_head="off")
     model = loaded_model.model
@@ -190,6 +193,7 @@ def test_installed_head_is_used_by_last_logits(tiny_model_path) -> None:
     assert fast_head.fast_head(model) is None
 
 
+@pytest.mark.cpu_only
 def test_prepare_for_backend_computes_in_float32_on_cpu(tiny_model_path) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, quantize_model
@@ -213,6 +217,7 @@ def test_fast_gelu_matches_mlx_gelu_approx() -> None:
                                atol=2e-6, rtol=1e-6)
 
 
+@pytest.mark.cpu_only
 def test_fast_gelu_swap_keeps_weights_and_answers(tiny_model_path) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load

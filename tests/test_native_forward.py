@@ -26,8 +26,8 @@ from rewind.engine.native_forward import (install_native_forward, native_forward
 from rewind.models.loader import load_model
 from rewind.testing.tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.skipif(native.load_kernels() is None,
-                                reason="needs x86-64 AVX2 and a C compiler")
+pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(native.load_kernels() is None,
+                                reason="needs x86-64 AVX2 and a C compiler")]
 
 # Families beyond the factory's three, built from its llama config with overrides.
 EXTRA_FAMILIES = {

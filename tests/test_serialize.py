@@ -63,6 +63,14 @@ def random_array(dtype: mx.Dtype, shape: tuple[int, ...], seed: int) -> mx.array
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_round_trip_is_bit_exact_for_every_dtype(dtype: mx.Dtype) -> None:
+    if dtype == mx.float64 and mx.default_device() != mx.cpu:
+        with mx.stream(mx.cpu):  # MLX computes float64 on the CPU only
+            check_round_trip(dtype)
+    else:
+        check_round_trip(dtype)
+
+
+def check_round_trip(dtype: mx.Dtype) -> None:
     shapes = [(2, 3, 5), (), (0, 4), (1,)]
     arrays = {f"t{i}": random_array(dtype, shape, seed=i) for i, shape in enumerate(shapes)}
     assert all(array.dtype == dtype for array in arrays.values())

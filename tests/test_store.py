@@ -289,7 +289,7 @@ def child_command(code: str) -> list[str]:
 
 
 def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=SRC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
     return subprocess.run(
         child_command(code), capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -366,7 +366,7 @@ def test_nothing_remains_after_kill_9(tmp_path: Path, use_o_tmpfile: bool) -> No
         print(store.stats()["file_bytes"], flush=True)
         time.sleep(60)
     """
-    env = dict(os.environ, PYTHONPATH=SRC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen(child_command(code), stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = child.stdout.readline()

@@ -63,12 +63,24 @@ def is_cpu_backend() -> bool:
     return mx.default_device() == mx.cpu
 
 
+# REWIND_COMPUTE_DTYPE=float32|bfloat16|float16 overrides the per-backend default (e.g. float32
+# on a GPU, for answers that match the CPU's; with MLX_ENABLE_TF32=0 there for full precision).
+COMPUTE_DTYPE_ENV = "REWIND_COMPUTE_DTYPE"
+_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def compute_dtype() -> Any:
     """float32 on CPU (Rewind's C kernels, and BLAS, compute in float32; MLX's own bf16/fp16/
     quantized CPU kernels are several times slower), bfloat16 on Metal and CUDA (half the bytes
-    per token)."""
+    per token); REWIND_COMPUTE_DTYPE overrides it."""
     import mlx.core as mx
 
+    override = os.environ.get(COMPUTE_DTYPE_ENV)
+    if override:
+        if override not in _COMPUTE_DTYPES:
+            raise ValueError(f"{COMPUTE_DTYPE_ENV}={override!r}: expected one of "
+                             f"{', '.join(_COMPUTE_DTYPES)}")
+        return getattr(mx, override)
     return mx.float32 if is_cpu_backend() else mx.bfloat16
 
 
