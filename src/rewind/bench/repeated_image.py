@@ -135,8 +135,10 @@ def one_request(engine: Any, adapter: Any, loaded: Any, tokens: list[int],
     images = [image_from_bytes(data, known=adapter.known_image) for data in payloads]
     decoded = time.perf_counter()
     prepared = prepare_image_prompt(adapter, loaded.model, tokens, images, [len(tokens)])
-    request = GenerationRequest(prepared.tokens, SamplingParams(temperature=0.0, max_tokens=1),
-                                prepared.checkpoints, prepared.extras, embed=prepared.embed)
+    # into(): every image field (Qwen's 3-D positions and Qwen3-VL's deepstack too).
+    request = prepared.into(GenerationRequest(prepared.tokens,
+                                              SamplingParams(temperature=0.0, max_tokens=1),
+                                              prepared.checkpoints))
     submitted = time.perf_counter()
     result = engine.generate(request, timeout=600)
     seconds = time.perf_counter() - start
