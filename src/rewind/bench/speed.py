@@ -50,6 +50,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                              " on the GGUF the model came from")
     parser.add_argument("--also-mlx-layers", action="store_true",
                         help="also measure Rewind with the layers in MLX (C kernels off)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every row (each row loads and runs again per round); "
+                             "the report gives medians and min-max: memory bandwidth on a shared "
+                             "machine moves decode by 20%% from minute to minute")
     parser.add_argument("--head-perplexity", type=Path, default=None, metavar="TEXT_FILE",
                         help="also report perplexity on this text with each decode-head form")
 
@@ -251,7 +255,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "Wall-clock tokens/s, and process CPU seconds per phase (all threads): on a shared machine "
+        "Wall-clock tokens/s (median of the rounds, min-max; rows run in turn within each round), "
+        "and process CPU seconds per phase (all threads) of the median run: on a shared machine "
         "the CPU seconds say how much work each path does, whatever else is running.",
         "",
         "| path | prefill tok/s | decode tok/s | prefill CPU s | decode CPU s | compute dtype "
@@ -259,8 +264,8 @@ def markdown(report: dict[str, Any]) -> str:
         "| --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |",
     ]
     for row in report["rows"]:
-        decode = f"{row['decode_tps']:.1f}" if row["decode_tps"] else "n/a"
-        lines.append(f"| {row['path']} | {row['prefill_tps']:.1f} | {decode} | "
+        lines.append(f"| {row['path']} | {_spread(row, 'prefill_tps')} | "
+                     f"{_spread(row, 'decode_tps')} | "
                      f"{_number(row['prefill_cpu_s'], 1)} | {_number(row['decode_cpu_s'], 1)} | "
                      f"{row['compute_dtype']} | {row.get('decode_layers', 'mlx')} | "
                      f"{row['decode_head']} | {_number(row['peak_memory_gb'], 2)} |")
@@ -285,8 +290,8 @@ def run(args: argparse.Namespace) -> int:
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)
     tokens = prompt_tokens(args.prompt_tokens, vocab)
     context = prompt_tokens(args.context, vocab, seed=1) if args.context else None
-    rows = []
     print(blas.status())
+    measures = []  # one callable per row, run once per round
     variants = [(args.cpu_head, args.native)]
     if args.also_int8_head:
         variants.append(("int8", args.native))
@@ -295,23 +300,23 @@ def run(args: argparse.Namespace) -> int:
     if args.also_mlx_layers:
         variants.append((args.cpu_head, "off"))
     for cpu_head, native_form in variants:
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        rows.append(measure_rewind(args.model, tokens, args.gen_tokens, cpu_head, native_form,
-                                   context))
-        _print_row(rows[-1])
+        measures.append(lambda h=cpu_head, n=native_form: measure_rewind(
+            args.model, tokens, args.gen_tokens, h, n, context))
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        rows.append(measure_mlx_lm(path, tokens, args.gen_tokens, float32, context))
-        _print_row(rows[-1])
+        measures.append(lambda f=float32: measure_mlx_lm(path, tokens, args.gen_tokens, f, context))
     if args.llama_cpp:
-        rows.append(measure_llama_cpp(args.model, args.prompt_tokens, args.gen_tokens,
-                                      args.context))
-        _print_row(rows[-1])
+        measures.append(lambda: measure_llama_cpp(args.model, args.prompt_tokens, args.gen_tokens,
+                                                  args.context))
+    runs: list[list[dict[str, Any]]] = [[] for _ in measures]
+    for round_index in range(max(1, args.repeats)):
+        for index, measure in enumerate(measures):
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            runs[index].append(measure())
+            _print_row(runs[index][-1], f"[{round_index + 1}/{max(1, args.repeats)}] ")
+    rows = [_median_row(row_runs) for row_runs in runs]
     openblas = blas.openblas_active()
     out = args.json or RESULTS / ("speed.json" if openblas else "speed-no-openblas.json")
     report = {
@@ -321,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "context_tokens": args.context,
+        "repeats": max(1, args.repeats),
         "blas": "OpenBLAS" if openblas else "no OpenBLAS (MLX reference BLAS)",
         "rows": rows,
         "machine": machine_info(),
@@ -336,12 +342,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row of the median decode run, with every run's prefill and decode tokens/s and the
+    medians of both."""
+    import statistics
+
+    ordered = sorted(runs, key=lambda run: run["decode_tps"] or 0.0)
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    for key in ("prefill_tps", "decode_tps"):
+        values = [run[key] for run in runs if run[key] is not None]
+        row[f"{key}_runs"] = values
+        row[key] = statistics.median(values) if values else None
+    return row
+
+
+def _spread(row: dict[str, Any], key: str) -> str:
+    value = row[key]
+    if value is None:
+        return "n/a"
+    runs = row.get(f"{key}_runs") or []
+    if len(runs) < 2:
+        return f"{value:.1f}"
+    return f"{value:.1f} ({min(runs):.1f}-{max(runs):.1f})"
+
+
 def _number(value: float | None, digits: int) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def _print_row(row: dict[str, Any]) -> None:
+def _print_row(row: dict[str, Any], prefix: str = "") -> None:
     decode = f"{row['decode_tps']:7.1f}" if row["decode_tps"] else "    n/a"
-    print(f"{row['path']:<18} prefill {row['prefill_tps']:7.1f} tok/s   decode {decode} tok/s   "
+    print(f"{prefix}{row['path']:<18} prefill {row['prefill_tps']:7.1f} tok/s   decode {decode} tok/s   "
           f"({row['compute_dtype']}, layers {row.get('decode_layers', 'mlx')}, "
           f"head {row['decode_head']})", flush=True)

@@ -297,7 +297,8 @@ class PromptCache:
             return Restored(cache, point.identity.end, ram_tokens, disk_tokens, 0.0)
         return nothing
 
-    def _plan(self, chain: BlockChain, limit: int, needs: set[str], template: list) -> _Point | None:
+    def _plan(self, chain: BlockChain, limit: int, needs: set[str],
+              template: list) -> _Point | None:
         """The furthest point <= limit whose records are all present in RAM or on disk."""
         present: list[BlockIdentity] = []
         for block in chain.full:
@@ -361,7 +362,8 @@ class PromptCache:
         end = point.identity.end
         if rec.STATE in needs:
             record, from_disk = self._get(point.identity.key + _TAG[rec.STATE], point.identity.key)
-            if record is None or record.meta.get("kind") != rec.STATE or record.meta.get("end") != str(end):
+            if (record is None or record.meta.get("kind") != rec.STATE
+                    or record.meta.get("end") != str(end)):
                 self._counters["missing_records"] += 1
                 return end - 1  # plan again for an earlier point
             state = record

@@ -134,12 +134,14 @@ def _window_rows(layer: RotatingKVCache, start: int, end: int) -> tuple[mx.array
         first = start
     else:
         return None
-    return _copy(keys[..., first:first + end - start, :]), _copy(values[..., first:first + end - start, :])
+    last = first + end - start
+    return _copy(keys[..., first:last, :]), _copy(values[..., first:last, :])
 
 
 def window_span(layer: RotatingKVCache, start: int, end: int) -> tuple[int, int]:
     """The rows of block [start, end) past its sinks that a later point may need."""
-    return max(start, end - (layer.max_size - layer.keep), layer.keep if start < layer.keep else start), end
+    past_sinks = layer.keep if start < layer.keep else start
+    return max(start, end - (layer.max_size - layer.keep), past_sinks), end
 
 
 def snapshot_kv(cache: Sequence[Any], block: BlockIdentity, extras_digest: str) -> Record:
@@ -278,7 +280,8 @@ def window_needed(layer: RotatingKVCache, end: int) -> list[tuple[int, int]]:
     return [*ranges, (end - (layer.max_size - layer.keep), end)]
 
 
-def window_blocks(template: Sequence[Any], blocks: Sequence[tuple[int, int]], end: int) -> list[int]:
+def window_blocks(template: Sequence[Any], blocks: Sequence[tuple[int, int]],
+                  end: int) -> list[int]:
     """Indices of the blocks [(start, end), ...] (a restore's spine, in order) whose window rows
     a restore at `end` needs: those that hold any row of some window layer's needed ranges."""
     wanted: set[int] = set()
@@ -291,7 +294,8 @@ def window_blocks(template: Sequence[Any], blocks: Sequence[tuple[int, int]], en
     return sorted(wanted)
 
 
-def _window_from_records(path: str, layer: RotatingKVCache, parts: RestoreParts) -> tuple[mx.array, mx.array]:
+def _window_from_records(path: str, layer: RotatingKVCache,
+                         parts: RestoreParts) -> tuple[mx.array, mx.array]:
     """The window at parts.end from the window records' rows; ValueError when a needed row is
     in none of them."""
     pieces: list[tuple[int, int, mx.array, mx.array]] = []  # (start, end, keys, values)

@@ -145,7 +145,8 @@ def use_in_mlx_layers(model: Any) -> int:
     changed = 0
     for module in {type(m).__module__ for m in model.modules()}:
         namespace = sys.modules.get(module)
-        if getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+        current = getattr(namespace, "scaled_dot_product_attention", None)
+        if current is base.scaled_dot_product_attention:
             namespace.scaled_dot_product_attention = _mlx_layers_attention
             changed += 1
     return changed

@@ -210,9 +210,8 @@ class _NativeLayer:
         # mx.fast.rope's own frequencies (its CPU path computes exp(-i * log(base) / (dims / 2))
         # in float32): the same float32 angles, so positions far into a long context agree.
         dims, half = int(rope.dims), int(rope.dims) // 2
-        self.inv_freq = np.ascontiguousarray(np.array(
-            mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(float(rope.base)) / half))),
-            dtype=np.float32)
+        exponents = mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(float(rope.base)) / half)
+        self.inv_freq = np.ascontiguousarray(np.array(mx.exp(exponents)), dtype=np.float32)
         activation = native.ACT_GELU_TANH if family.gemma else native.ACT_SILU
         self.shape = native.Shape(self.hidden, self.heads, self.kv_heads, self.head_dim,
                                   self.intermediate, dims, activation, threads, eps,
