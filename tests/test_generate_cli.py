@@ -50,6 +50,18 @@ def test_generate_subprocess_streams_text_and_reports(tiny_model_path):
     assert "tokens/s" in out.stderr and "Peak memory" in out.stderr and "BLAS:" in out.stderr
 
 
+@pytest.mark.cpu_only
+def test_cpu_weights_int8_computes_with_int8_copies(capsys, tiny_model_path):
+    code, text, err = run_in_process(capsys, "generate", "--model", str(tiny_model_path("llama")),
+                                     "--prompt", "Hello there", "--max-tokens", "8", "--temp", "0",
+                                     "--cpu-weights", "int8", "--verbose")
+    assert code == 0 and text.strip()
+    assert "Compute: int8 layers (C kernels, float32 math), int8 head (C kernel)" in err
+    code, _, err = run_in_process(capsys, "generate", "--model", str(tiny_model_path("llama")),
+                                  "--prompt", "Hello there", "--max-tokens", "8", "--verbose")
+    assert code == 0 and "Compute: f32 layers (C kernels, float32 math)" in err
+
+
 def test_greedy_matches_mlx_lm(capsys, tiny_model_path, tiny_loaded, tiny_family):
     prompt = LONG_TEXT + "Then"  # longer than gemma3's 64-token window
     code, text, _ = run_in_process(capsys, "generate", "--model",

@@ -20,8 +20,10 @@ def test_flags_fill_the_config(tmp_path):
     args = build_parser().parse_args([
         "serve", "--model", "m", "--port", "9999", "--parallel", "2", "--max-queue", "3",
         "--api-key", "k", "--cache-ram", "512MiB", "--cache-disk", "2GiB", "--no-disk-cache",
-        "--cache-dir", str(tmp_path), "--max-kv-size", "1024", "--max-body", "1MiB"])
+        "--cache-dir", str(tmp_path), "--max-kv-size", "1024", "--max-body", "1MiB",
+        "--cpu-weights", "int8"])
     config = server_config(args)
+    assert config.cpu_weights == "int8"
     assert (config.model, config.host, config.port, config.api_key) == ("m", "127.0.0.1", 9999, "k")
     assert config.max_body_bytes == 1 << 20
     engine = config.engine

@@ -66,4 +66,5 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 32 << 20
     allow_image_urls: bool = False
+    cpu_weights: str = "exact"  # rewind.models.loader.CPU_WEIGHTS
     engine: EngineConfig = field(default_factory=EngineConfig)

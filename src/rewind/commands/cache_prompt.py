@@ -189,7 +189,7 @@ def _cache_prompt(args: argparse.Namespace) -> int:
             raise UserError(f"cannot read --prompt-file: {exc}") from exc
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise UserError("--max-kv-size must be at least 1")
-    loaded = load_or_explain(args.model)
+    loaded = load_or_explain(args.model, args.cpu_weights)
     tokens = encode_prefix(loaded.tokenizer, text, args.chat)
     cache = new_cache(loaded.model, args.max_kv_size, args.kv_bits, args.kv_group_size)
     started = time.perf_counter()

@@ -201,7 +201,7 @@ def _chat(args: argparse.Namespace) -> int:
         import mlx.core as mx
 
         mx.random.seed(args.seed)
-    loaded = load_or_explain(args.model)
+    loaded = load_or_explain(args.model, args.cpu_weights)
     if not loaded.tokenizer.has_chat_template:
         raise UserError(f"{args.model} has no chat template; use `rewind generate` instead")
     prompt_cache = _open_prompt_cache(loaded, args)
@@ -233,7 +233,7 @@ def _chat(args: argparse.Namespace) -> int:
                 session.drop_unanswered()
                 continue
             if args.verbose:
-                print_report(stats)
+                print_report(stats, model=loaded.model)
     finally:
         if prompt_cache is not None:
             prompt_cache.close()

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from rewind.commands.generate import add_cpu_weights_arg
 from rewind.config import CacheConfig, EngineConfig, ServerConfig, parse_size
 
 
@@ -41,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--allow-image-urls", action="store_true",
                         help="fetch http(s) image URLs sent in requests (off: only inline "
                         "base64 images are accepted)")
+    add_cpu_weights_arg(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=run)
@@ -57,7 +59,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           max_kv_size=args.max_kv_size, cache=cache)
     return ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                         max_body_bytes=parse_size(args.max_body),
-                        allow_image_urls=args.allow_image_urls, engine=engine)
+                        allow_image_urls=args.allow_image_urls, cpu_weights=args.cpu_weights,
+                        engine=engine)
 
 
 def build_prompt_cache(loaded, config: CacheConfig):  # type: ignore[no-untyped-def]
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rewind.engine import Engine
-    from rewind.models.loader import load_model
+    from rewind.models.loader import cpu_weight_options, load_model
     from rewind.server.app import create_app
 
     import rewind
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     # Which source tree is serving (benchmarks run a frozen worktree and check this line).
     print(f"loading {config.model} (rewind from {Path(rewind.__file__).resolve().parent}) ...",
           file=sys.stderr, flush=True)
-    loaded = load_model(config.model)
+    loaded = load_model(config.model, **cpu_weight_options(config.cpu_weights))
     prompt_cache = build_prompt_cache(loaded, config.engine.cache)
     engine = Engine(loaded, config.engine, prompt_cache).start()
     app = create_app(loaded, engine, config, prompt_cache)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
-from rewind.engine.native import FORMS, kernel_threads, load_kernels
+from rewind.engine.native import FORMS, int8_rows, kernel_threads, load_kernels
 from rewind.engine.native_forward import host_view
 
 HeadForm = Literal["bf16", "int8"]
@@ -51,13 +51,9 @@ class CpuHead:
         elif form == "bf16":
             self._weight = np.ascontiguousarray(np.array(weight.astype(mx.bfloat16).view(mx.uint16)))
         elif form == "int8":
-            weight32 = weight.astype(mx.float32)
-            # Symmetric per-row scale: each vocabulary row is one output, so one scale per row
-            # costs 4 bytes per 640 weights and keeps the kernel's inner loop scale-free.
-            scale = mx.maximum(mx.abs(weight32).max(axis=1), 1e-12) / 127.0
-            quantized = mx.clip(mx.round(weight32 / scale[:, None]), -127, 127).astype(mx.int8)
-            self._weight = np.ascontiguousarray(np.array(quantized))
-            self._row_scale = np.ascontiguousarray(np.array(scale), dtype=np.float32)
+            # One scale per row: each vocabulary row is one output, so the scale costs 4 bytes
+            # per `dim` weights and keeps the kernel's inner loop scale-free.
+            self._weight, self._row_scale = int8_rows(weight)
         else:
             raise ValueError(f"unknown head form {form!r}; expected one of {HEAD_FORMS}")
 

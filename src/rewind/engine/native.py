@@ -18,6 +18,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from rewind.paths import cache_home
 
@@ -158,6 +161,24 @@ def load_kernels() -> ctypes.CDLL | None:
     _declare(lib)
     _kernels = lib
     return lib
+
+
+def int8_rows(weight: Any, chunk_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one float32 scale per output row (the kernels' FORM_INT8) of an MLX
+    weight [out, in], a chunk of rows at a time: a 262k-word head is never widened to float32
+    whole (671 MB for Gemma 3 270M)."""
+    import mlx.core as mx
+
+    rows = weight.shape[0]
+    quantized = np.empty(weight.shape, np.int8)
+    scales = np.empty(rows, np.float32)
+    for start in range(0, rows, chunk_rows):
+        part = weight[start:start + chunk_rows].astype(mx.float32)
+        scale = mx.maximum(mx.abs(part).max(axis=1), 1e-12) / 127.0
+        quantized[start:start + chunk_rows] = np.array(
+            mx.clip(mx.round(part / scale[:, None]), -127, 127).astype(mx.int8))
+        scales[start:start + chunk_rows] = np.array(scale)
+    return quantized, scales
 
 
 _CORES = os.cpu_count() or 1  # read once: os.cpu_count() costs ~20 us, and this runs per layer

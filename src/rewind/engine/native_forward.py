@@ -124,15 +124,13 @@ class _Matrix:
                 module.weight = stacked[start:start + rows]
                 start += rows
             mx.eval([m.weight for m in modules])
+        elif form == "int8":
+            self.weight, self.scale = native.int8_rows(
+                mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
         else:
             weight = mx.concatenate([p.astype(mx.float32) for p in parts], axis=0)
             if form == "bf16":
                 self.weight = np.array(weight.astype(mx.bfloat16).view(mx.uint16))
-            elif form == "int8":
-                scale = mx.maximum(mx.abs(weight).max(axis=1), 1e-12) / 127.0
-                self.weight = np.array(mx.clip(mx.round(weight / scale[:, None]), -127, 127)
-                                       .astype(mx.int8))
-                self.scale = np.ascontiguousarray(np.array(scale), dtype=np.float32)
             else:
                 self.weight = np.array(weight)
         self.weight = np.ascontiguousarray(self.weight)

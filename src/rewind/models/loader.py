@@ -150,6 +150,40 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     return model
 
 
+# --cpu-weights: what the CPU reads for each token. "exact": the stored weights (bf16 read in
+# place; the checkpoint's answer). "int8": int8 layers and head with one scale per row, half the
+# bytes: decode ~1.4x faster, perplexity +1.3% on the default model (benchmarks/results/speed.md,
+# README "On a CPU"). Other backends ignore it.
+CPU_WEIGHTS = ("exact", "int8")
+
+
+def cpu_weight_options(choice: str) -> dict[str, str | None]:
+    """load_model keyword arguments for a --cpu-weights choice."""
+    if choice not in CPU_WEIGHTS:
+        raise ValueError(f"--cpu-weights {choice!r}: expected one of {', '.join(CPU_WEIGHTS)}")
+    if choice == "int8":
+        return {"native_forward": "int8", "cpu_head": "int8"}
+    return {}
+
+
+def describe_compute(model: Any) -> str:
+    """One line on how `model` computes here, for --verbose and logs."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from rewind.engine.fast_head import fast_head
+    from rewind.engine.native_forward import native_forward
+
+    head = fast_head(model)
+    head_text = f"{head.form} head (C kernel)" if head is not None else "MLX head"
+    forward = native_forward(model)
+    if forward is not None:
+        return f"Compute: {forward.form} layers (C kernels, float32 math), {head_text}"
+    dtypes = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(model.parameters())
+                     if mx.issubdtype(v.dtype, mx.floating)})
+    return f"Compute: MLX layers ({', '.join(dtypes)}), {head_text}"
+
+
 def release_free_heap() -> None:
     """Hand memory freed while loading back to the system. Parsing a large tokenizer.json
     (mlx-lm reads it to choose a detokenizer; the tokenizer parses it again) leaves ~180 MB of
