@@ -22,8 +22,9 @@ case "${1:-all}" in
   speed|all)
     # One sequence on the default model: Rewind (bf16 weights through the C kernels; and int8),
     # mlx-lm as stored and as a float32 copy, llama.cpp on the GGUF.
+    # Three rounds, rows in turn within each, medians (measured at 3e7c726; the rest at d42df15).
     rewind bench speed --prompt-tokens 1024 --gen-tokens 64 --mlx-lm-float32 --also-int8 \
-      --llama-cpp --json "$out/speed.json"
+      --llama-cpp --repeats 3 --json "$out/speed.json"
     # An agent's next turn: 512 new tokens after 8,192 already in the cache.
     rewind bench speed --prompt-tokens 512 --gen-tokens 32 --context 8192 --mlx-lm-float32 \
       --llama-cpp --json "$out/speed-context-8k.json"
