@@ -54,8 +54,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="rounds over every row (each row loads and runs again per round); "
                              "the report gives medians and min-max: memory bandwidth on a shared "
                              "machine moves decode by 20%% from minute to minute")
-    parser.add_argument("--head-perplexity", type=Path, default=None, metavar="TEXT_FILE",
-                        help="also report perplexity on this text with each decode-head form")
+    parser.add_argument("--perplexity", type=Path, default=None, metavar="TEXT_FILE",
+                        help="also give each Rewind row's perplexity on this text (its layers and "
+                             "head, e.g. exact vs int8), up to 2,048 tokens")
 
 
 def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
@@ -68,7 +69,8 @@ def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
 
 def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
                    cpu_head: str | None, native_form: str | None = None,
-                   context: list[int] | None = None) -> dict[str, Any]:
+                   context: list[int] | None = None,
+                   perplexity_text: str | None = None) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -109,45 +111,30 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "model_path": str(loaded.path),
     }
+    if perplexity_text is not None:
+        result["perplexity"] = rewind_perplexity(model, loaded.tokenizer, perplexity_text)
     del loaded, model
     return result
 
 
-def head_perplexities(model_name: str, text: str) -> dict[str, float]:
-    """Perplexity of `text` with the float32 MLX head and each CPU head form: the quality cost
-    of a cheaper decode head (the backbone is shared, so only the head differs)."""
+def rewind_perplexity(model: Any, tokenizer: Any, text: str, limit: int = 2048) -> float:
+    """Perplexity of `text` (its first `limit` tokens) through Rewind's own path: the backbone as
+    loaded (C kernels or MLX layers, in the row's form) and its CPU head if one is installed."""
     import math
 
     import mlx.core as mx
     import numpy as np
 
-    from rewind.engine.fast_head import HEAD_FORMS, CpuHead, build_kernel, head_weight
+    from rewind.engine.fast_head import fast_head
     from rewind.engine.forward import split_model
 
-    loaded = load_model_off(model_name)
-    split = split_model(loaded.model)
-    if split is None:
-        return {}
-    tokens = loaded.tokenizer.encode(text)
+    tokens = tokenizer.encode(text)[:limit]
+    split = split_model(model)
     hidden = split.backbone(mx.array([tokens[:-1]]), cache=None)[0]
+    logits = (fast_head(model) or split.head)(hidden).astype(mx.float32)
+    log_probs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     targets = np.array(tokens[1:])
-
-    def perplexity(logits: mx.array) -> float:
-        log_probs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        return math.exp(-float(log_probs[np.arange(len(targets)), targets].mean()))
-
-    results = {"mlx float32": perplexity(split.head(hidden))}
-    kernel, weight = build_kernel(), head_weight(loaded.model)
-    if kernel is not None and weight is not None:
-        for form in HEAD_FORMS:
-            results[form] = perplexity(CpuHead(weight, form, kernel)(hidden))  # type: ignore[arg-type]
-    return results
-
-
-def load_model_off(model_name: str) -> Any:
-    from rewind.models.loader import load_model
-
-    return load_model(model_name, cpu_head="off", native_forward="off")
+    return math.exp(-float(log_probs[np.arange(len(targets)), targets].mean()))
 
 
 def _float_dtypes(model: Any) -> set[Any]:
@@ -269,11 +256,10 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{_number(row['prefill_cpu_s'], 1)} | {_number(row['decode_cpu_s'], 1)} | "
                      f"{row['compute_dtype']} | {row.get('decode_layers', 'mlx')} | "
                      f"{row['decode_head']} | {_number(row['peak_memory_gb'], 2)} |")
-    if "head_perplexity" in report:
-        perplexity = dict(report["head_perplexity"])
-        text = perplexity.pop("text")
-        lines += ["", f"Perplexity on `{text}` by decode head (same backbone): "
-                  + ", ".join(f"{form} {value:.3f}" for form, value in perplexity.items())]
+    with_perplexity = [row for row in report["rows"] if "perplexity" in row]
+    if with_perplexity:
+        lines += ["", f"Perplexity on `{report['perplexity_text']}` (first 2,048 tokens), by row: "
+                  + ", ".join(f"{row['path']} {row['perplexity']:.3f}" for row in with_perplexity)]
     lines += ["", "## Machine", "", machine_markdown(report["machine"]), ""]
     return "\n".join(lines)
 
@@ -291,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = prompt_tokens(args.prompt_tokens, vocab)
     context = prompt_tokens(args.context, vocab, seed=1) if args.context else None
     print(blas.status())
+    perplexity_text = args.perplexity.read_text() if args.perplexity is not None else None
     measures = []  # one callable per row, run once per round
     variants = [(args.cpu_head, args.native)]
     if args.also_int8_head:
@@ -301,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         variants.append((args.cpu_head, "off"))
     for cpu_head, native_form in variants:
         measures.append(lambda h=cpu_head, n=native_form: measure_rewind(
-            args.model, tokens, args.gen_tokens, h, n, context))
+            args.model, tokens, args.gen_tokens, h, n, context, perplexity_text))
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:
         measures.append(lambda f=float32: measure_mlx_lm(path, tokens, args.gen_tokens, f, context))
@@ -331,10 +318,8 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "machine": machine_info(),
     }
-    if args.head_perplexity is not None:
-        report["head_perplexity"] = {"text": str(args.head_perplexity), **head_perplexities(
-            args.model, args.head_perplexity.read_text())}
-        print("perplexity by decode head:", report["head_perplexity"])
+    if args.perplexity is not None:
+        report["perplexity_text"] = str(args.perplexity)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
