@@ -136,3 +136,7 @@ def test_agentic_quick_runs_and_reports(tmp_path: Path) -> None:
     markdown = (tmp_path / "agentic-quick.md").read_text()
     assert "| rewind |" in markdown
     assert (tmp_path / "agentic-quick-ttft.png").exists()
+    # Start-up: /health, then the first answer (which may come later: mlx-lm loads after /health).
+    run = next(iter(payload["summary"]["runs"].values()))
+    assert 0 < run["ready_s"] <= run["first_answer_s"]
+    assert "### Start-up" in markdown and "until the first answer" in markdown

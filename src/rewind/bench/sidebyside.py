@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rewind.bench.client import make_client, timed_chat
+from rewind.bench.report import Table, fmt_spread, spread
 from rewind.bench.machine import command_line  # noqa: F401  (re-exported for the workloads)
 from rewind.bench.harness import (RssSampler, ServerProcess, ServerStartError, free_port,
                                   stop_all_servers)
@@ -115,6 +116,21 @@ def calibrate_prefill(run_server: ServerProcess, tokens: int, seed: int) -> floa
     return timing.prompt_tokens / timing.ttft_s
 
 
+def startup_table(runs: dict[str, Any]) -> Table:
+    """Seconds from each server's start to its /health answer and to its first answer."""
+    by_server: dict[str, dict[str, list[float]]] = {}
+    for info in runs.values():
+        entry = by_server.setdefault(info["server"], {"ready": [], "first": []})
+        entry["ready"].append(info["ready_s"])
+        if info.get("first_answer_s") is not None:
+            entry["first"].append(info["first_answer_s"])
+    rows = [[name, fmt_spread(spread(times["ready"]), 1, " s"),
+             fmt_spread(spread(times["first"]), 1, " s")] for name, times in by_server.items()]
+    return Table("Start-up (median over repeats, min-max)",
+                 ["server", "until /health answers", "until the first answer (2 tokens)"], rows,
+                 note="A server may answer /health before its model has loaded.")
+
+
 def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                 options_for: Callable[[str], ServerOptions], workload: WorkloadFn,
                 calibrate_tokens: int, log_dir: Path, settle_s: float = 0.0,
@@ -161,10 +177,14 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             sampler = RssSampler(server.pid).start()
             try:
                 ready_s = server.wait_ready(timeout=args.ready_timeout)
-                # Warm-up: the first request pays one-off costs (lazy loads, kernel builds).
+                # Warm-up: the first request pays one-off costs (lazy loads, kernel builds). A
+                # server may answer /health before its model is loaded (mlx-lm does): the first
+                # answer is when it can really serve.
+                warm_up_started = time.monotonic()
                 timed_chat(make_client(server.base_url),
                            [{"role": "user", "content": "Say hello."}], max_tokens=2,
                            model=server.model_id or "default")
+                first_answer_s = ready_s + time.monotonic() - warm_up_started
                 sampler.mark("loaded")
                 prefill_tps = (calibrate_prefill(server, calibrate_tokens, seed=10_000 + repeat)
                                if calibrate_tokens > 0 else None)
@@ -178,6 +198,7 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                 sampler.mark("settled")
                 runs[f"{name}#{repeat}"] = {
                     "server": name, "repeat": repeat, "ready_s": ready_s,
+                    "first_answer_s": first_answer_s,
                     "prefill_tps": prefill_tps, "workload_s": time.monotonic() - started,
                     "rss_marks": dict(sampler.marks), "rss_peak": sampler.peak(),
                     "rss_series": [(round(t, 2), rss) for t, rss in sampler.samples],
