@@ -116,6 +116,22 @@ def test_cancel_frees_the_slot_and_its_memory(tiny_loaded):
     assert stats["mlx_active_bytes"] - baseline < kv_bytes // 4
 
 
+def test_an_idle_engine_hands_its_freed_memory_back(tiny_loaded):
+    """Once the last request is done, MLX's buffer cache is emptied (and glibc's free heap
+    trimmed): a burst of long prompts does not stay resident after it."""
+    import time
+
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode(PROMPTS[3] * 3)
+    with Engine(loaded, EngineConfig(parallel=2)) as engine:
+        handles = [engine.submit(GenerationRequest(prompt, greedy(max_tokens=8))) for _ in range(2)]
+        [h.collect(TIMEOUT) for h in handles]
+        deadline = time.monotonic() + 10
+        while engine.stats()["mlx_cache_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["mlx_cache_bytes"] == 0
+
+
 def test_queue_full_raises(tiny_loaded):
     loaded = tiny_loaded("llama")
     prompt = loaded.tokenizer.encode("hello")

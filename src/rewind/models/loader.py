@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rewind.memory import release_free_heap
+
 
 @dataclass
 class LoadedModel:
@@ -184,24 +186,6 @@ def describe_compute(model: Any) -> str:
     return f"Compute: MLX layers ({', '.join(dtypes)}), {head_text}"
 
 
-def release_free_heap() -> None:
-    """Hand memory freed while loading back to the system. Parsing a large tokenizer.json
-    (mlx-lm reads it to choose a detokenizer; the tokenizer parses it again) leaves ~180 MB of
-    freed heap that glibc keeps mapped: the process would report it as resident for its life."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc is None:
-        return
-    try:
-        ctypes.CDLL(libc).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        pass
-
-
 def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
                native_forward: str | None = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
@@ -223,6 +207,6 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
                                               get_model_classes=classes)
         tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
     prepare_for_backend(model, dtype, cpu_head, native_forward)
-    release_free_heap()
+    release_free_heap()  # parsing tokenizer.json left ~180 MB of free heap mapped
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path))
