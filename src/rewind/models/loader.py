@@ -95,6 +95,21 @@ def _cast_floats(model: Any, dtype: Any) -> None:
     mx.eval(model.parameters())
 
 
+def materialize_constants(model: Any) -> None:
+    """Evaluate every array the model's modules hold, not only its parameters.
+
+    Some layers keep constants outside `parameters()` (mlx-lm's Llama 3, YaRN, SuScaled and
+    proportional ropes keep a lazy `_freqs`). Left lazy, they are computed at the first forward
+    pass, on the engine's thread, where MLX refuses a graph built on the loading thread's stream
+    ("There is no Stream(cpu, 0) in current thread")."""
+    import mlx.core as mx
+
+    constants = [value for module in model.modules() for value in module.values()
+                 if isinstance(value, mx.array)]
+    if constants:
+        mx.eval(constants)
+
+
 def use_mlx_layers(model: Any) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
     (if any) is removed, quantized layers are dequantized and floats widened to float32 (only
@@ -207,6 +222,7 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
                                               get_model_classes=classes)
         tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
     prepare_for_backend(model, dtype, cpu_head, native_forward)
+    materialize_constants(model)
     release_free_heap()  # parsing tokenizer.json left ~180 MB of free heap mapped
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path))
