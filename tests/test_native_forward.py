@@ -34,6 +34,11 @@ EXTRA_FAMILIES = {
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},  # q/k/v biases
     "llama-biased": {"attention_bias": True, "mlp_bias": True},
+    # Llama 3.1+ rope scaling (mlx-lm's Llama3RoPE: explicit periods); a short original context
+    # so that most of the tiny model's frequencies are scaled or smoothed.
+    "llama3-rope": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 256}},
 }
 FAMILIES = ["gemma3", "llama", *EXTRA_FAMILIES]
 LOGIT_TOLERANCE = 1e-4  # float32 weights: only the order of summation differs

@@ -163,12 +163,29 @@ def _pointer(array: np.ndarray | None) -> int | None:
     return None if array is None else array.ctypes.data
 
 
+def _rope_frequencies(rope: Any) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [dims / 2] float32, position scale) of a rope module: the angles
+    mx.fast.rope computes for it."""
+    if type(rope) is nn.RoPE:
+        # mx.fast.rope's own frequencies (its CPU path computes exp(-i * log(base) / (dims / 2))
+        # in float32): the same float32 angles, so positions far into a long context agree.
+        half = int(rope.dims) // 2
+        exponents = mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(float(rope.base)) / half)
+        return np.ascontiguousarray(np.array(mx.exp(exponents)), dtype=np.float32), float(rope.scale)
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    if type(rope) is Llama3RoPE:
+        # Llama 3.1+ rope scaling: mx.fast.rope with explicit periods `_freqs` and scale 1.
+        periods = rope._freqs.astype(mx.float32)
+        return np.ascontiguousarray(np.array(1.0 / periods), dtype=np.float32), 1.0
+    raise Unsupported(f"RoPE variant {type(rope).__name__}")
+
+
 class _NativeLayer:
     def __init__(self, block: Any, family: _Family, form: str, threads: int) -> None:
         attn, mlp = block.self_attn, block.mlp
         rope = attn.rope
-        if type(rope) is not nn.RoPE:
-            raise Unsupported(f"RoPE variant {type(rope).__name__}")
+        self.inv_freq, rope_scale = _rope_frequencies(rope)
         linears = {name: _linear(getattr(attn, name), name)
                    for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
         linears.update({name: _linear(getattr(mlp, name), name)
@@ -205,15 +222,11 @@ class _NativeLayer:
         self.struct = native.Layer(v["input_norm"], self.qkv.struct, v["q_norm"], v["k_norm"],
                                    self.o.struct, v["post_attn_norm"], v["pre_ff_norm"],
                                    self.gate_up.struct, self.down.struct, v["post_ff_norm"])
-        # mx.fast.rope's own frequencies (its CPU path computes exp(-i * log(base) / (dims / 2))
-        # in float32): the same float32 angles, so positions far into a long context agree.
-        dims, half = int(rope.dims), int(rope.dims) // 2
-        exponents = mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(float(rope.base)) / half)
-        self.inv_freq = np.ascontiguousarray(np.array(mx.exp(exponents)), dtype=np.float32)
+        dims = int(rope.dims)
         activation = native.ACT_GELU_TANH if family.gemma else native.ACT_SILU
         self.shape = native.Shape(self.hidden, self.heads, self.kv_heads, self.head_dim,
                                   self.intermediate, dims, activation, threads, eps,
-                                  float(rope.scale), int(bool(rope.traditional)))
+                                  rope_scale, int(bool(rope.traditional)))
         self.width = (self.heads + 2 * self.kv_heads) * self.head_dim
 
     @property

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "gemma3", "qwen3_5")
+# Built on request, outside the families every cache test runs: Gemma 4's text model (sliding
+# window + global layers with their own head sizes, the last layers reading earlier layers' KV,
+# per-layer input embeddings).
+EXTRA_FAMILIES = ("gemma4",)
 
 SEED = 1234
 VOCAB_SIZE = 512  # byte-level BPE: 256 byte symbols + merges + special tokens
@@ -134,7 +138,27 @@ def _family_config(family: str) -> dict[str, Any]:
                 "partial_rotary_factor": 0.5,
             },
         }
-    raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if family == "gemma4":
+        return {
+            **common,
+            "model_type": "gemma4_text",
+            "architectures": ["Gemma4ForCausalLM"],
+            # Pattern 3 over 6 layers (global: 2 and 5); layers 4 and 5 reuse the KV of the last
+            # earlier layer of their kind, so only 4 layers have caches.
+            "num_hidden_layers": 6,
+            "sliding_window": 64,
+            "sliding_window_pattern": 3,
+            "num_kv_shared_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "global_head_dim": 64,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": VOCAB_SIZE,
+        }
+    known = ", ".join((*FAMILIES, *EXTRA_FAMILIES))
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of {known}")
 
 
 def train_tokenizer(out_dir: Path, special_tokens: list[str] | None = None,
