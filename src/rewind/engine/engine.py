@@ -221,6 +221,10 @@ class Engine:
             raise EngineStoppedError("the engine is not running")
         if not request.prompt_tokens:
             raise InvalidRequestError("the prompt is empty")
+        if (request.model_tokens is not None
+                and len(request.model_tokens) != len(request.prompt_tokens)):
+            raise InvalidRequestError(f"model_tokens has {len(request.model_tokens)} ids for "
+                                      f"{len(request.prompt_tokens)} prompt tokens")
         request.params.validate()
         cancelled = threading.Event()
         handle = RequestHandle(request.request_id, cancelled, self._wakeup.set)

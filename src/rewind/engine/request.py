@@ -82,6 +82,11 @@ class GenerationRequest:
     # of prompt positions [start, end), called on the engine thread for each prefill chunk in
     # place of the token ids. Decode never uses it. None: a text prompt.
     embed: Callable[[int, int], Any] | None = None
+    # Image prompts whose language model reads more than the embeddings from the ids it is
+    # given (Gemma 4 looks its per-layer inputs up by id, with image tokens as id 0): the ids
+    # prefill chunks hand the model, one per prompt token, in place of prompt_tokens. Cache keys,
+    # checkpoints and sampling keep prompt_tokens. None: the model gets prompt_tokens.
+    model_tokens: list[int] | None = None
     # Models with 3-D rotary positions (Qwen-VL image prompts, rewind.engine.positions):
     # positions(start, end) -> [3, 1, end - start] position ids of those prompt tokens, and the
     # position of generated token i (its index in prompt + answer) is i + position_delta.

@@ -226,7 +226,11 @@ class Scheduler:
             budget_end = seq.prefilled + self.config.prefill_chunk
             while True:
                 start, end = seq.prefilled, self._chunk_end(seq, seq.prefilled)
-                chunk = mx.array([seq.prompt[start:end]])
+                # The ids the model is given: the prompt's, or the image prompt's model_tokens
+                # where its model reads more than embeddings from them (Gemma 4's per-layer
+                # inputs: image tokens as 0). Cache keys and checkpoints keep seq.prompt.
+                ids = seq.prompt if seq.request.model_tokens is None else seq.request.model_tokens
+                chunk = mx.array([ids[start:end]])
                 # Image prompts: this chunk's input embeddings (image features in image spans).
                 embeds = None if seq.request.embed is None else seq.request.embed(start, end)
                 # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions);

@@ -38,6 +38,9 @@ class ImagePrompt:
     # Families that add image features after their first layers (Qwen3-VL's deepstack): what
     # goes to GenerationRequest.layer_residuals.
     residuals: ResidualsFn | None = None
+    # Families whose language model must be given other ids than the prompt's for prefill
+    # (Gemma 4: image tokens as 0 for its per-layer inputs): GenerationRequest.model_tokens.
+    model_tokens: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -45,10 +48,11 @@ class ImagePrompt:
 
     def into(self, request: Any) -> Any:
         """Fill a rewind.engine GenerationRequest's image fields (extras, embed, positions,
-        position_delta, layer_residuals) with this prompt's; returns it."""
+        position_delta, layer_residuals, model_tokens) with this prompt's; returns it."""
         request.extras, request.embed = self.extras, self.embed
         request.positions, request.position_delta = self.positions, self.position_delta
         request.layer_residuals = self.residuals
+        request.model_tokens = self.model_tokens
         return request
 
 
@@ -67,4 +71,5 @@ def prepare_image_prompt(adapter: VisionAdapter, model: Any, tokens: Sequence[in
     embed = adapter.embedder(images, text_embeddings(model))
     extras = BlockExtras(image_hashes=prompt.image_hashes, salt=salt)
     return ImagePrompt(prompt, moved, extras, embed, adapter.positioner(prompt),
-                       prompt.position_delta, adapter.residuals(images))
+                       prompt.position_delta, adapter.residuals(images),
+                       adapter.family.language_model_ids(prompt.tokens))

@@ -189,6 +189,15 @@ class VisionFamily:
         """Features as the language model's input embeddings (the LRU keeps `features`)."""
         return features
 
+    def language_model_ids(self, tokens: Sequence[int]) -> list[int] | None:
+        """The token ids the language model's call gets, beside the input embeddings, for an
+        image prompt's prefill chunks, where they must differ from the prompt's own; None (most
+        families): the prompt's. The model uses the embeddings and ignores the ids, except where
+        it computes something else from the ids: Gemma 4's per-layer inputs (PLE) are looked up
+        by token id, and its own model reads them with each image token's id replaced by 0.
+        Only what the model is given changes: cache keys stay on the real prompt tokens."""
+        return None
+
     def layer_residuals(self, features: Any) -> list[Any]:
         """What is added to the outputs of layers 0 .. residual_layers - 1 at the image tokens:
         one [image tokens, hidden] per layer, from the same `features`."""
