@@ -14,6 +14,9 @@ features to input embeddings. Supported families:
 
 - Gemma 3 (rewind.vision.gemma3): SigLIP tower, 256 image tokens per image (a fixed count);
   sliding-window and global layers, which the prompt cache handles.
+- Gemma 4 (rewind.vision.gemma4): a tower at the image's own aspect ratio, pooled to at most
+  280 soft tokens by default; its language model's per-layer inputs are looked up with image
+  tokens as id 0 (`VisionFamily.language_model_ids`, GenerationRequest.model_tokens).
 - Qwen2-VL and Qwen2.5-VL (rewind.vision.qwen_vl): a dynamic-resolution ViT whose token count
   follows the image's size, and a language model with 3-D multimodal rotary positions: see
   rewind.vision.qwen_vl for how those reach mlx-lm's language model.
@@ -238,13 +241,14 @@ class VisionFamily:
 
 def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma3 import Gemma3Vision
+    from rewind.vision.gemma4 import Gemma4Vision
     from rewind.vision.idefics3 import Idefics3Vision
     from rewind.vision.llava import LlavaVision
     from rewind.vision.pixtral import Mistral3Vision, PixtralVision
     from rewind.vision.qwen_vl import Qwen3VLVision, Qwen35Vision, QwenVLVision
 
-    return [Gemma3Vision, QwenVLVision, Qwen35Vision, Qwen3VLVision, LlavaVision, PixtralVision,
-            Mistral3Vision, Idefics3Vision]
+    return [Gemma3Vision, Gemma4Vision, QwenVLVision, Qwen35Vision, Qwen3VLVision, LlavaVision,
+            PixtralVision, Mistral3Vision, Idefics3Vision]
 
 
 def supported_model_types() -> tuple[str, ...]:
