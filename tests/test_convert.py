@@ -358,8 +358,10 @@ def test_converted_model_resolves_by_name(tiny_model_path, tmp_path, monkeypatch
 def test_gguf_tokenizer_uses_the_generic_class_and_earlier_conversions_are_upgraded(
         tiny_model_path, tmp_path, monkeypatch):
     """The generic fast class loads tokenizer.json as it is (the model-specific ones rebuild it,
-    slower and larger); a folder an earlier Rewind wrote with GemmaTokenizer is moved to it when
-    resolved, and folders Rewind did not convert are left alone."""
+    slower and larger), and the added tokens are in tokenizer_config.json (so transformers does
+    not parse tokenizer.json a second time); a folder an earlier Rewind wrote with
+    GemmaTokenizer and no added tokens is brought up to that when resolved, and folders Rewind
+    did not convert are left alone."""
     from rewind import paths
     from rewind.models.gguf_tokenizer import GENERIC_TOKENIZER_CLASS
 
@@ -368,12 +370,18 @@ def test_gguf_tokenizer_uses_the_generic_class_and_earlier_conversions_are_upgra
     write_llamacpp_gguf(tiny_model_path("gemma3"), gguf, "gemma3")
     out = convert(gguf, paths.models_dir() / "tiny-gemma", QuantSpec(16), show_progress=False)
     config_path = out / "tokenizer_config.json"
-    assert json.loads(config_path.read_text())["tokenizer_class"] == GENERIC_TOKENIZER_CLASS
+    written = json.loads(config_path.read_text())
+    assert written["tokenizer_class"] == GENERIC_TOKENIZER_CLASS
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    assert len(added) > 0
+    assert written["added_tokens_decoder"] == {
+        str(token.pop("id")): token for token in added}
 
-    earlier = json.loads(config_path.read_text()) | {"tokenizer_class": "GemmaTokenizer"}
+    earlier = written | {"tokenizer_class": "GemmaTokenizer"}
+    del earlier["added_tokens_decoder"]
     config_path.write_text(json.dumps(earlier))
     assert resolve_model("tiny-gemma") == out
-    assert json.loads(config_path.read_text()) == earlier | {"tokenizer_class": GENERIC_TOKENIZER_CLASS}
+    assert json.loads(config_path.read_text()) == written
 
     local = tmp_path / "local"
     local.mkdir()

@@ -205,22 +205,21 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
                native_forward: str | None = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
     prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
-    from mlx_lm.utils import load, load_tokenizer
     from mlx_lm.utils import load_model as load_mlx_model
 
     from rewind.models.folder_quirks import model_classes, model_config_overrides
+    from rewind.models.tokenizer_loading import load_tokenizer
 
     path = resolve(name_or_path)
     config = json.loads((path / "config.json").read_text())
     # Fields some folders leave to transformers' defaults (llava-hf's LLaVA 1.5 text sizes).
     overrides = model_config_overrides(config) or None
+    # What mlx-lm's `load` does, with Rewind's classes for folders mlx-lm has none for (Idefics
+    # 3's llama) and its tokenizer loader (the same tokenizer, parsed once).
     classes = model_classes(config)
-    if classes is None:
-        model, tokenizer = load(str(path), model_config=overrides)
-    else:  # a folder mlx-lm has no class for (Idefics 3's llama): what `load` does, with ours
-        model, loaded_config = load_mlx_model(path, model_config=overrides,
-                                              get_model_classes=classes)
-        tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
+    model, loaded_config = load_mlx_model(
+        path, model_config=overrides, **({} if classes is None else {"get_model_classes": classes}))
+    tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
     prepare_for_backend(model, dtype, cpu_head, native_forward)
     materialize_constants(model)
     release_free_heap()  # parsing tokenizer.json left ~180 MB of free heap mapped

@@ -102,9 +102,9 @@ def ensure_default(form: str | None = None, show_progress: bool = True) -> Path:
 def upgrade_converted(folder: Path) -> None:
     """Bring a folder an earlier Rewind converted up to what `convert` writes now."""
     if (folder / META_FILE).exists():
-        from rewind.models.gguf_tokenizer import use_generic_tokenizer_class
+        from rewind.models.gguf_tokenizer import upgrade_tokenizer_config
 
-        use_generic_tokenizer_class(folder)
+        upgrade_tokenizer_config(folder)
 
 
 def _default_form_of(name: str) -> str | None:
