@@ -1,5 +1,6 @@
 """Model folders that leave config fields to transformers' defaults load through Rewind's loader:
-llava-hf's LLaVA 1.5 leaves its llama's sizes out of `text_config`, which mlx-lm requires."""
+llava-hf's LLaVA 1.5 and LLaVA-NeXT leave their language model's sizes out of `text_config`,
+which mlx-lm requires."""
 
 from __future__ import annotations
 
@@ -57,6 +58,41 @@ def test_vocabulary_from_the_top_level_and_other_folders_untouched():
     assert model_config_overrides({"model_type": "llava",
                                    "text_config": {"model_type": "qwen2"}}) == {}
     assert model_config_overrides({"model_type": "llama"}) == {}
+
+
+# llava-hf/llava-v1.6-mistral-7b-hf's text_config in form: the mistral's width, depth and head
+# count are left to MistralConfig's defaults.
+LLAVA_NEXT_MISTRAL_TEXT = {
+    "_name_or_path": "mistralai/Mistral-7B-Instruct-v0.2",
+    "architectures": ["MistralForCausalLM"],
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "vocab_size": 32064,
+}
+
+
+def test_llava_next_gets_mistral_and_llama_defaults_and_its_loader_classes():
+    from rewind.models.folder_quirks import model_classes
+    from rewind.models.llava_next_text import get_model_classes
+
+    config = {"model_type": "llava_next", "text_config": LLAVA_NEXT_MISTRAL_TEXT,
+              "vocab_size": 32064}
+    text = model_config_overrides(config)["text_config"]
+    assert text == {**LLAVA_NEXT_MISTRAL_TEXT, "hidden_size": 4096, "num_hidden_layers": 32,
+                    "num_attention_heads": 32}
+    vicuna = {**LLAVA_15_7B, "model_type": "llava_next"}  # llava-v1.6-vicuna-7b: as LLaVA 1.5
+    assert model_config_overrides(vicuna) == model_config_overrides(LLAVA_15_7B)
+    # transformers 5 keeps the rope's base in rope_parameters, which mlx-lm does not read.
+    saved_by_v5 = {"model_type": "llava_next", "text_config": {
+        "model_type": "mistral", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}}
+    assert model_config_overrides(saved_by_v5)["text_config"]["rope_theta"] == 1e6
+    assert model_classes(config) is get_model_classes
+    assert model_classes(LLAVA_15_7B) is None  # mlx-lm has LLaVA 1.5's class
 
 
 # ---- a tiny folder with the quirk, through the real loaders -----------------------------------

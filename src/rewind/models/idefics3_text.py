@@ -37,13 +37,16 @@ def text_args(config: dict[str, Any]) -> llama.ModelArgs:
 
 
 class Model(llama.Model):
+    # Subclasses for other wrappers' names replace it (rewind.models.llava_next_text).
+    text_prefixes = _TEXT_PREFIXES
+
     def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
         mapped = {}
         for name, value in weights.items():
-            prefix = max((p for p in _TEXT_PREFIXES if name.startswith(p)), key=len,
+            prefix = max((p for p in self.text_prefixes if name.startswith(p)), key=len,
                          default=None)
             if prefix is not None:  # the tower and connector are the vision side's
-                mapped[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = value
+                mapped[self.text_prefixes[prefix] + name[len(prefix):]] = value
         return super().sanitize(mapped)
 
 
