@@ -156,10 +156,12 @@ def test_the_language_model_takes_the_engines_backbone_then_head_path(vision):
 
 
 def test_unsupported_vision_family_names_the_supported_ones(tmp_path):
-    config = {"model_type": "llava_next", "vision_config": {"model_type": "clip_vision_model"}}
-    with pytest.raises(VisionUnavailableError, match=r"'llava_next' is not supported.*Gemma 3.*"
-                                                     r"qwen2_5_vl.*qwen3_vl.*llava.*pixtral.*"
-                                                     r"mistral3.*idefics3, smolvlm"):
+    config = {"model_type": "llava_onevision",
+              "vision_config": {"model_type": "siglip_vision_model"}}
+    with pytest.raises(VisionUnavailableError, match=r"'llava_onevision' is not supported.*"
+                                                     r"Gemma 3.*qwen2_5_vl.*qwen3_vl.*llava.*"
+                                                     r"llava_next.*pixtral.*mistral3.*"
+                                                     r"idefics3, smolvlm"):
         load_vision_adapter(tmp_path, config, mx.float32)
 
 

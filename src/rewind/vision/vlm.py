@@ -28,6 +28,9 @@ features to input embeddings. Supported families:
   rewind.engine.residuals).
 - LLaVA (rewind.vision.llava): CLIP or SigLIP tower and projector before a llama; a fixed count
   of image tokens per image.
+- LLaVA-NeXT (rewind.vision.llava_next): the same over the tiles of a grid picked by the
+  image's aspect ratio and the whole image; the grid's features unpadded, a learned newline
+  embedding after each row.
 - Pixtral and Mistral 3 (rewind.vision.pixtral): the Pixtral tower at the image's own size; rows
   of image tokens with a break token between rows (other tokens inside an image's span, see
   `ImageLayout.tokens`).
@@ -244,11 +247,12 @@ def families() -> list[type[VisionFamily]]:
     from rewind.vision.gemma4 import Gemma4Vision
     from rewind.vision.idefics3 import Idefics3Vision
     from rewind.vision.llava import LlavaVision
+    from rewind.vision.llava_next import LlavaNextVision
     from rewind.vision.pixtral import Mistral3Vision, PixtralVision
     from rewind.vision.qwen_vl import Qwen3VLVision, Qwen35Vision, QwenVLVision
 
     return [Gemma3Vision, Gemma4Vision, QwenVLVision, Qwen35Vision, Qwen3VLVision, LlavaVision,
-            PixtralVision, Mistral3Vision, Idefics3Vision]
+            LlavaNextVision, PixtralVision, Mistral3Vision, Idefics3Vision]
 
 
 def supported_model_types() -> tuple[str, ...]:
