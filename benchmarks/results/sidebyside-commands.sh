@@ -40,6 +40,10 @@ case "${1:-all}" in
   parallel|all)
     # max_tokens cut from the 512 cap to 64: this base model never ends these chats itself.
     bench parallel-chat --servers rewind,mlx-lm,llama.cpp --max-tokens 64 --repeats 2 ;;&
+  startup|all)
+    # Start-up to /health and to the first answer (every side-by-side run records it; this one
+    # at 5eb0580+, after the tokenizer is parsed once).
+    bench parallel-chat --servers rewind,mlx-lm,llama.cpp --max-tokens 64 --repeats 2 --tag startup ;;&
   cache|all)
     rewind bench prompt-cache --baseline-turns 1,10 --out "$out" ;;&
   *) ;;

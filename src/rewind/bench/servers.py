@@ -90,6 +90,7 @@ def float32_copy(folder: Path) -> Path:
     # Outside models_dir(): a bench artefact, not a model to list.
     target = cache_home() / "bench-models" / f"{folder.name}-{model_fingerprint(folder)[:12]}-f32-for-mlx-lm"
     if (target / "config.json").exists():
+        _copy_changed_files(folder, target)
         return target
     partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -106,6 +107,18 @@ def float32_copy(folder: Path) -> Path:
             shutil.copy2(item, partial / item.name)
     os.replace(partial, target)
     return target
+
+
+def _copy_changed_files(folder: Path, copy: Path) -> None:
+    """Bring the copy's non-weight files (tokenizer, configs) up to the source's: the loader
+    upgrades an earlier conversion's tokenizer_config.json in place, and mlx-lm must read the
+    same one (the fingerprint covers only config.json and the weights)."""
+    import filecmp
+
+    for item in folder.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and not (
+                (copy / item.name).exists() and filecmp.cmp(item, copy / item.name, shallow=False)):
+            shutil.copy2(item, copy / item.name)
 
 
 def has_half_weights(folder: Path) -> bool:
