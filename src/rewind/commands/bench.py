@@ -15,6 +15,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "speed": ("rewind.bench.speed", "prefill/decode tokens/s: Rewind vs plain mlx-lm"),
     "kv-append": ("rewind.bench.kv_append", "per-token concatenate vs preallocated in-place KV append"),
     "attention": ("rewind.bench.attention_bench", "CPU attention: MLX vs Rewind's C kernel"),
+    "gated-delta": ("rewind.bench.gated_delta_bench", "Qwen 3.5's gated delta rule on the CPU: mlx-lm vs Rewind's C kernel"),
     "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),
     "form-speed": ("rewind.bench.form_speed", "speed per stored form on this backend (random weights, default shape)"),
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),

@@ -1,4 +1,5 @@
-"""Build and load rewind/native/*.c: the CPU kernels (matvecs, layer work, attention).
+"""Build and load rewind/native/*.c: the CPU kernels (matvecs, layer work, attention, the
+gated delta rule).
 
 Compiled once with the system C compiler into the cache folder, keyed by the source and the
 flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; its own thread pool), and loaded
@@ -27,7 +28,7 @@ from rewind.paths import cache_home
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).resolve().parent.parent / "native"
-SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "attention.c")
+SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "attention.c", NATIVE / "gated_delta.c")
 HEADERS = (NATIVE / "simd.h",)
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
@@ -70,6 +71,15 @@ class Attention(ctypes.Structure):
 
 
 MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3
+
+
+class GatedDelta(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("g", ctypes.c_void_p), ("beta", ctypes.c_void_p), ("mask", ctypes.c_void_p),
+                ("state", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("B", ctypes.c_int64), ("T", ctypes.c_int64), ("Hk", ctypes.c_int64),
+                ("Hv", ctypes.c_int64), ("Dk", ctypes.c_int64), ("Dv", ctypes.c_int64),
+                ("g_per_key", ctypes.c_int64), ("threads", ctypes.c_int64)]
 
 
 class Shape(ctypes.Structure):
@@ -119,7 +129,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.layer_post.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p]
     lib.rows_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.attention.argtypes = [ctypes.POINTER(Attention)]
-    for name in ("matvec", "layer_pre", "layer_post", "rows_rms_norm", "attention"):
+    lib.gated_delta.argtypes = [ctypes.POINTER(GatedDelta)]
+    for name in ("matvec", "layer_pre", "layer_post", "rows_rms_norm", "attention", "gated_delta"):
         getattr(lib, name).restype = ctypes.c_int
 
 

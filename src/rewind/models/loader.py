@@ -113,10 +113,11 @@ def materialize_constants(model: Any) -> None:
 def use_mlx_layers(model: Any) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
     (if any) is removed, quantized layers are dequantized and floats widened to float32 (only
-    float32 matmuls reach BLAS), attention goes through Rewind's C kernel
-    (rewind.engine.cpu_attention), and Gemma 3's tanh-GELU becomes a vectorized one
-    (rewind.models.cpu_activations). For families the C kernels do not implement, and for
-    models whose layers change after loading (rewind.vision.mrope)."""
+    float32 matmuls reach BLAS), attention and the gated delta rule go through Rewind's C
+    kernels (rewind.engine.cpu_attention, rewind.engine.cpu_gated_delta), and Gemma 3's
+    tanh-GELU becomes a vectorized one (rewind.models.cpu_activations). For families the C
+    kernels do not implement, and for models whose layers change after loading
+    (rewind.vision.mrope)."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
@@ -125,9 +126,10 @@ def use_mlx_layers(model: Any) -> Any:
     remove_native_forward(model)
     dequantize_model(model)
     _cast_floats(model, mx.float32)
-    from rewind.engine.cpu_attention import use_in_mlx_layers
+    from rewind.engine import cpu_attention, cpu_gated_delta
 
-    use_in_mlx_layers(model)
+    cpu_attention.use_in_mlx_layers(model)
+    cpu_gated_delta.use_in_mlx_layers(model)
     if os.environ.get(FAST_GELU_ENV, "1") != "0":
         from rewind.models.cpu_activations import use_fast_gelu
 
