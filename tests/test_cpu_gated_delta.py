@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from rewind.engine import cpu_gated_delta, native
+from rewind.engine import cpu_gated_delta, gated_delta, native
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(
     native.load_kernels() is None, reason="needs x86-64 AVX2 and a C compiler")]
@@ -75,11 +75,11 @@ def test_a_masked_step_leaves_the_state_alone() -> None:
 def test_a_qwen3_5_model_gives_the_same_logits_with_the_kernel(tiny_loaded,
                                                               monkeypatch: pytest.MonkeyPatch):
     """The loader points the model's linear attention at the kernel; prefill in chunks and
-    decode steps give mlx-lm's logits (REWIND_CPU_GATED_DELTA=off) within float32 noise."""
+    decode steps give mlx-lm's logits (REWIND_GATED_DELTA=off) within float32 noise."""
     model = tiny_loaded("qwen3_5").model
     from mlx_lm.models import qwen3_5
 
-    assert qwen3_5.gated_delta_update is cpu_gated_delta.gated_delta_update
+    assert qwen3_5.gated_delta_update is gated_delta.gated_delta_update
     prompt = np.random.default_rng(3).integers(3, 400, 300).tolist()
 
     def logits_trace() -> np.ndarray:
@@ -92,6 +92,6 @@ def test_a_qwen3_5_model_gives_the_same_logits_with_the_kernel(tiny_loaded,
         return np.concatenate(rows)
 
     with_kernel = logits_trace()
-    monkeypatch.setenv(cpu_gated_delta.ENV, "off")
+    monkeypatch.setenv(gated_delta.ENV, "off")
     without = logits_trace()
     assert np.abs(with_kernel - without).max() < 1e-4 * max(1.0, np.abs(without).max())

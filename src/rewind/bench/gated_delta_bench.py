@@ -1,11 +1,12 @@
-"""The gated delta rule on the CPU: mlx-lm's `gated_delta_ops` (a Python loop of small graphs)
-vs Rewind's C kernel (rewind.engine.cpu_gated_delta), side by side.
+"""The gated delta rule: mlx-lm's `gated_delta_ops` (a Python loop of small graphs) vs Rewind's
+kernel for this backend (the C kernel on the CPU, the CUDA kernel on NVIDIA GPUs;
+rewind.engine.gated_delta), side by side.
 
 Two parts: the recurrence alone on one layer's shapes (`--heads` key x value heads of
 `--head-dim`, as Qwen 3.5 / Qwen3-Next linear attention), for a decode step and prefill chunks;
 and a whole prefill of a random-weight Qwen 3.5 model of `--model-size` through Rewind's loader
-(MLX layers, float32, OpenBLAS where preloaded), with the kernel and with
-REWIND_CPU_GATED_DELTA=off in the same process, the last position's logits compared.
+(on the CPU: MLX layers in float32, OpenBLAS where preloaded; on a GPU: bf16), with the kernel
+and with REWIND_GATED_DELTA=off in the same process, the last position's logits compared.
 """
 
 from __future__ import annotations
@@ -54,11 +55,9 @@ def _median_s(call: Any, runs: int) -> float:
     return statistics.median(times)
 
 
-def _recurrence_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _recurrence_rows(args: argparse.Namespace, recurrence: Any) -> list[dict[str, Any]]:
     import mlx.core as mx
     from mlx_lm.models.gated_delta import gated_delta_ops
-
-    from rewind.engine.cpu_gated_delta import recurrence
 
     key_heads, value_heads = (int(part) for part in args.heads.lower().split("x"))
     dim = args.head_dim
@@ -89,7 +88,7 @@ def _prefill_row(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from rewind.engine import cpu_gated_delta
+    from rewind.engine import gated_delta
     from rewind.engine.forward import last_logits
     from rewind.models.loader import load_model
     from rewind.testing.tiny_models import build_tiny_model
@@ -109,18 +108,21 @@ def _prefill_row(args: argparse.Namespace) -> dict[str, Any]:
     timings, logits = {}, {}
     for path in ("rewind", "off", "rewind", "off"):  # alternate, keep the second of each
         if path == "off":
-            os.environ[cpu_gated_delta.ENV] = "off"
+            os.environ[gated_delta.ENV] = "off"
         else:
-            os.environ.pop(cpu_gated_delta.ENV, None)
+            os.environ.pop(gated_delta.ENV, None)
         started = time.perf_counter()
         logits[path] = prefill()
         timings[path] = time.perf_counter() - started
         print(f"prefill {args.prompt_tokens} tokens, gated delta "
               f"{'in Rewind' if path == 'rewind' else 'in mlx-lm ops'}: {timings[path]:.2f} s",
               flush=True)
-    os.environ.pop(cpu_gated_delta.ENV, None)
+    os.environ.pop(gated_delta.ENV, None)
     scale = max(1.0, float(mx.abs(logits["off"]).max()))
+    from rewind.models.loader import describe_compute
+
     return {"model_size": args.model_size, "prompt_tokens": args.prompt_tokens,
+            "compute": describe_compute(model),
             "rewind_s": round(timings["rewind"], 3), "ops_s": round(timings["off"], 3),
             "rewind_tok_s": round(args.prompt_tokens / timings["rewind"], 1),
             "ops_tok_s": round(args.prompt_tokens / timings["off"], 1),
@@ -134,19 +136,24 @@ def run(args: argparse.Namespace) -> int:
 
     from rewind import blas
     from rewind.bench.machine import command_line, machine_info, machine_markdown
-    from rewind.engine import cpu_gated_delta
+    from rewind.engine import gated_delta
 
-    if mx.default_device() != mx.cpu or not cpu_gated_delta.applies():
-        raise SystemExit("rewind bench gated-delta measures the CPU kernel, which is not "
-                         "available here (CPU backend, x86-64 AVX2, a C compiler)")
-    rows = _recurrence_rows(args)
+    chosen = gated_delta._recurrence(mx.zeros((1, 1, 1, args.head_dim)))
+    if chosen is None:
+        raise SystemExit("rewind bench gated-delta: Rewind has no gated delta kernel for this "
+                         "backend here (the CPU's needs x86-64 AVX2 and a C compiler; the "
+                         "GPU's, CUDA)")
+    backend, recurrence = chosen
+    rows = _recurrence_rows(args, recurrence)
     prefill = _prefill_row(args) if args.prompt_tokens > 0 else None
-    report = {"command": command_line(), "blas": blas.status(), "runs": args.runs,
+    report = {"command": command_line(), "backend": backend, "blas": blas.status(),
+              "runs": args.runs,
               "heads": args.heads, "head_dim": args.head_dim, "rows": rows,
               "prefill": prefill, "machine": machine_info()}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
-    lines = ["# The gated delta rule on the CPU: mlx-lm's ops vs Rewind's kernel", "",
+    lines = [f"# The gated delta rule on the {backend.upper()}: mlx-lm's ops vs Rewind's kernel",
+             "",
              f"Command: `{report['command']}`", "",
              f"One layer: {args.heads} key x value heads of {args.head_dim}, float32, one "
              f"sequence; median of {args.runs} calls. {report['blas']}.", "",
@@ -156,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
               f"| {r['max_abs_difference']:.1e} |" for r in rows]
     if prefill is not None:
         lines += ["", f"Whole prefill, random-weight Qwen 3.5 {prefill['model_size']}-sized model "
-                  f"(MLX layers, float32), {prefill['prompt_tokens']} tokens, the second of two "
+                  f"({prefill['compute']}), {prefill['prompt_tokens']} tokens, the second of two "
                   "alternating runs each:", "",
                   "| gated delta rule | prefill s | tokens/s |", "| --- | ---: | ---: |",
                   f"| mlx-lm ops | {prefill['ops_s']:.2f} | {prefill['ops_tok_s']:.1f} |",

@@ -114,7 +114,7 @@ def use_mlx_layers(model: Any) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
     (if any) is removed, quantized layers are dequantized and floats widened to float32 (only
     float32 matmuls reach BLAS), attention and the gated delta rule go through Rewind's C
-    kernels (rewind.engine.cpu_attention, rewind.engine.cpu_gated_delta), and Gemma 3's
+    kernels (rewind.engine.cpu_attention, rewind.engine.gated_delta), and Gemma 3's
     tanh-GELU becomes a vectorized one (rewind.models.cpu_activations). For families the C
     kernels do not implement, and for models whose layers change after loading
     (rewind.vision.mrope)."""
@@ -126,10 +126,10 @@ def use_mlx_layers(model: Any) -> Any:
     remove_native_forward(model)
     dequantize_model(model)
     _cast_floats(model, mx.float32)
-    from rewind.engine import cpu_attention, cpu_gated_delta
+    from rewind.engine import cpu_attention, gated_delta
 
     cpu_attention.use_in_mlx_layers(model)
-    cpu_gated_delta.use_in_mlx_layers(model)
+    gated_delta.use_in_model(model)
     if os.environ.get(FAST_GELU_ENV, "1") != "0":
         from rewind.models.cpu_activations import use_fast_gelu
 
@@ -152,7 +152,10 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 
     target = dtype or compute_dtype()
     if not is_cpu_backend():
+        from rewind.engine.gated_delta import use_in_model
+
         _cast_floats(model, target)
+        use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
         return model
     if target != mx.float32:
         _cast_floats(model, target)
