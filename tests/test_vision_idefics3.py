@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vision_helpers import picture, processed_by_mlx_vlm, two_image_text
+from vision_helpers import copy_with_weight_names, picture, processed_by_mlx_vlm, two_image_text
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
@@ -58,22 +58,8 @@ def test_the_language_model_is_mlx_lms_llama_and_computes_as_mlx_vlms(vision):
 def test_hugging_face_weight_names_load_too(vision, tmp_path):
     """The same weights under transformers' names (model.text_model.*, lm_head, the tower
     under model.vision_model.*): the same language model."""
-    import shutil
-
     loaded, _ = vision
-    renamed = {}
-    for name, value in mx.load(str(Path(loaded.path) / "model.safetensors")).items():
-        if name.startswith("language_model.lm_head."):
-            name = name.removeprefix("language_model.")
-        elif name.startswith("language_model."):
-            name = "model.text_model." + name.removeprefix("language_model.")
-        else:
-            name = "model." + name
-        renamed[name] = value
-    for item in Path(loaded.path).iterdir():
-        if item.suffix != ".safetensors":
-            shutil.copy(item, tmp_path / item.name)
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), renamed)
+    copy_with_weight_names(Path(loaded.path), tmp_path, "model.text_model.")
     hf = load_model(str(tmp_path))
     ids = mx.array([loaded.tokenizer.encode("def fibonacci(n: int) -> int:")])
     np.testing.assert_allclose(np.array(hf.model(ids)), np.array(loaded.model(ids)), atol=1e-5)

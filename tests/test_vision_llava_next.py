@@ -21,6 +21,7 @@ from vision_helpers import (
     TIMEOUT,
     assert_prompt_cache_keeps_image_answers,
     batched_equals_alone,
+    copy_with_weight_names,
     encode,
     generation,
     image_prompt,
@@ -156,19 +157,8 @@ def test_transformers_5_weight_names_and_a_mistral_text_model_load_too(vision, t
     model named `mistral` and its rms_norm_eps left to MistralConfig's default: the same
     model."""
     loaded, _ = vision
-    renamed = {}
-    for name, value in mx.load(str(Path(loaded.path) / "model.safetensors")).items():
-        if name.startswith("language_model.lm_head."):
-            name = name.removeprefix("language_model.")
-        elif name.startswith("language_model.model."):
-            name = "model.language_model." + name.removeprefix("language_model.model.")
-        else:
-            name = "model." + name
-        renamed[name] = value
-    for item in Path(loaded.path).iterdir():
-        if item.suffix != ".safetensors":
-            shutil.copy(item, tmp_path / item.name)
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), renamed)
+    copy_with_weight_names(Path(loaded.path), tmp_path, "model.language_model.",
+                           language_model_level="model.")
     config = json.loads((tmp_path / "config.json").read_text())
     config["text_config"]["model_type"] = "mistral"
     assert config["text_config"].pop("rms_norm_eps") == 1e-6  # MistralConfig's default

@@ -22,6 +22,30 @@ TIMEOUT = 120
 FILLER = "An agent reads a long conversation again and again, and each turn adds a tool result. "
 
 
+def copy_with_weight_names(source: Path, target: Path, language_prefix: str,
+                           language_model_level: str = "") -> None:
+    """Copy an mlx-vlm-layout folder to `target` with its weights under transformers' names:
+    `language_model.lm_head.*` -> `lm_head.*`, `language_model.<level>*` ->
+    `<language_prefix>*`, everything else under `model.`."""
+    import shutil
+
+    import mlx.core as mx
+
+    renamed = {}
+    for name, value in mx.load(str(source / "model.safetensors")).items():
+        if name.startswith("language_model.lm_head."):
+            name = name.removeprefix("language_model.")
+        elif name.startswith("language_model." + language_model_level):
+            name = language_prefix + name.removeprefix("language_model." + language_model_level)
+        else:
+            name = "model." + name
+        renamed[name] = value
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, target / item.name)
+    mx.save_safetensors(str(target / "model.safetensors"), renamed)
+
+
 def png_bytes(seed: int, size: tuple[int, int] = (320, 240)) -> bytes:
     """A PNG of seeded noise, `size` = (width, height)."""
     from PIL import Image
