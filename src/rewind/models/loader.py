@@ -112,19 +112,24 @@ def materialize_constants(model: Any) -> None:
 
 def use_mlx_layers(model: Any) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
-    (if any) is removed, quantized layers are dequantized and floats widened to float32 (only
-    float32 matmuls reach BLAS), attention and the gated delta rule go through Rewind's C
-    kernels (rewind.engine.cpu_attention, rewind.engine.gated_delta), and Gemma 3's
-    tanh-GELU becomes a vectorized one (rewind.models.cpu_activations). For families the C
-    kernels do not implement, and for models whose layers change after loading
-    (rewind.vision.mrope)."""
+    (if any) is removed, quantized layers are dequantized, bf16 Linear layers keep their weights
+    and run in the C matrix kernel (rewind.engine.native_linear; not with REWIND_NATIVE=off),
+    other floats are widened to float32 (only float32 matmuls reach BLAS), attention and the
+    gated delta rule go through Rewind's C kernels (rewind.engine.cpu_attention,
+    rewind.engine.gated_delta), and Gemma 3's tanh-GELU becomes a vectorized one
+    (rewind.models.cpu_activations). For families the C kernels do not implement, and for
+    models whose layers change after loading (rewind.vision.mrope)."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
-    from rewind.engine.native_forward import remove_native_forward
+    from rewind.engine.native_forward import remove_native_forward, requested_form
 
     remove_native_forward(model)
     dequantize_model(model)
+    if requested_form() != "off":
+        from rewind.engine.native_linear import use_in_model
+
+        use_in_model(model)  # bf16 Linears stay bf16, read in place by the C matrix kernel
     _cast_floats(model, mx.float32)
     from rewind.engine import cpu_attention, gated_delta
 
@@ -201,9 +206,12 @@ def describe_compute(model: Any) -> str:
     forward = native_forward(model)
     if forward is not None:
         return f"Compute: {forward.form} layers (C kernels, float32 math), {head_text}"
+    from rewind.engine.native_linear import native_linear_bytes
+
     dtypes = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(model.parameters())
                      if mx.issubdtype(v.dtype, mx.floating)})
-    return f"Compute: MLX layers ({', '.join(dtypes)}), {head_text}"
+    linear_text = (", bf16 Linear layers in C kernels" if native_linear_bytes(model) else "")
+    return f"Compute: MLX layers ({', '.join(dtypes)}){linear_text}, {head_text}"
 
 
 def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
