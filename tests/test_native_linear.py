@@ -58,6 +58,7 @@ def test_logits_equal_mlx_float32_layers(bf16_folder, family: str,
     linears = [m for _, m in fast.model.named_modules() if isinstance(m, NativeLinear)]
     assert linears and native_linear_bytes(fast.model) > 0
     assert "bf16 Linear layers in C kernels" in describe_compute(fast.model)
+    assert native_linear_bytes(load_model(str(folder), native_forward="off").model) == 0
     monkeypatch.setenv("REWIND_NATIVE", "off")
     plain = load_model(str(folder))
     assert native_linear_bytes(plain.model) == 0

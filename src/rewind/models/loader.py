@@ -110,10 +110,11 @@ def materialize_constants(model: Any) -> None:
         mx.eval(constants)
 
 
-def use_mlx_layers(model: Any) -> Any:
+def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
     (if any) is removed, quantized layers are dequantized, bf16 Linear layers keep their weights
-    and run in the C matrix kernel (rewind.engine.native_linear; not with REWIND_NATIVE=off),
+    and run in the C matrix kernel (rewind.engine.native_linear; not when `native_forward` or
+    REWIND_NATIVE is "off"),
     other floats are widened to float32 (only float32 matmuls reach BLAS), attention and the
     gated delta rule go through Rewind's C kernels (rewind.engine.cpu_attention,
     rewind.engine.gated_delta), and Gemma 3's tanh-GELU becomes a vectorized one
@@ -126,7 +127,7 @@ def use_mlx_layers(model: Any) -> Any:
 
     remove_native_forward(model)
     dequantize_model(model)
-    if requested_form() != "off":
+    if requested_form(native_forward) != "off":
         from rewind.engine.native_linear import use_in_model
 
         use_in_model(model)  # bf16 Linears stay bf16, read in place by the C matrix kernel
@@ -168,7 +169,7 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
         from rewind.engine.native_forward import install_native_forward
 
         if install_native_forward(model, native_forward) is None:
-            use_mlx_layers(model)
+            use_mlx_layers(model, native_forward)
     head_form = cpu_head or os.environ.get(CPU_HEAD_ENV) or DEFAULT_CPU_HEAD
     if head_form != "off":
         from rewind.engine.fast_head import install_fast_head
