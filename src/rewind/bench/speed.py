@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +147,33 @@ def _float_dtypes(model: Any) -> set[Any]:
     return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
+@contextmanager
+def _mlx_lm_as_shipped() -> Iterator[None]:
+    """Rewind's loader points mlx-lm's model modules, process-wide, at its CPU attention and
+    gated delta kernels (rewind.engine.cpu_attention, rewind.engine.gated_delta); their switches
+    make them defer to mlx-lm's own code while an mlx-lm row runs."""
+    from rewind.engine import cpu_attention, gated_delta
+
+    saved = {name: os.environ.get(name) for name in (cpu_attention.ENV, gated_delta.ENV)}
+    os.environ.update({name: "off" for name in saved})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,
                    context: list[int] | None = None) -> dict[str, Any]:
+    with _mlx_lm_as_shipped():
+        return _measure_mlx_lm(path, tokens, gen_tokens, float32, context)
+
+
+def _measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,
+                    context: list[int] | None = None) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step, stream_generate
