@@ -1,5 +1,6 @@
 """bf16 Linear layers of the families the native forward pass does not implement run in the C
-matrix kernel, reading the stored weights: the same logits as MLX's float32 layers
+matrix kernel, reading the stored weights, and their lookup-only tables stay bf16: the same
+logits as MLX's float32 layers
 (REWIND_NATIVE=off), on the engine's thread, batched and through the prompt cache."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rewind.cache import PromptCache
 from rewind.config import CacheConfig, EngineConfig
 from rewind.engine import Engine, GenerationRequest, SamplingParams, native
 from rewind.engine.native_linear import NativeLinear, native_linear_bytes
+from rewind.engine.stored_embedding import StoredEmbedding
 from rewind.models.conversion import QuantSpec, convert
 from rewind.models.loader import describe_compute, load_model
 from rewind.testing.tiny_models import build_tiny_model
@@ -59,6 +61,9 @@ def test_logits_equal_mlx_float32_layers(bf16_folder, family: str,
     assert linears and native_linear_bytes(fast.model) > 0
     assert "bf16 Linear layers in C kernels" in describe_compute(fast.model)
     assert native_linear_bytes(load_model(str(folder), native_forward="off").model) == 0
+    if family == "gemma4":  # its per-layer input table is looked up, never a head
+        tables = [m for _, m in fast.model.named_modules() if isinstance(m, StoredEmbedding)]
+        assert len(tables) == 1 and tables[0]._table.dtype == mx.bfloat16
     monkeypatch.setenv("REWIND_NATIVE", "off")
     plain = load_model(str(folder))
     assert native_linear_bytes(plain.model) == 0

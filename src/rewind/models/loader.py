@@ -113,7 +113,8 @@ def materialize_constants(model: Any) -> None:
 def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
     (if any) is removed, quantized layers are dequantized, bf16 Linear layers keep their weights
-    and run in the C matrix kernel (rewind.engine.native_linear; not when `native_forward` or
+    and run in the C matrix kernel and lookup-only bf16 tables stay bf16
+    (rewind.engine.native_linear, rewind.engine.stored_embedding; not when `native_forward` or
     REWIND_NATIVE is "off"),
     other floats are widened to float32 (only float32 matmuls reach BLAS), attention and the
     gated delta rule go through Rewind's C kernels (rewind.engine.cpu_attention,
@@ -128,9 +129,10 @@ def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
     remove_native_forward(model)
     dequantize_model(model)
     if requested_form(native_forward) != "off":
-        from rewind.engine.native_linear import use_in_model
+        from rewind.engine import native_linear, stored_embedding
 
-        use_in_model(model)  # bf16 Linears stay bf16, read in place by the C matrix kernel
+        native_linear.use_in_model(model)  # bf16 Linears stay bf16, read by the C matrix kernel
+        stored_embedding.use_in_model(model)  # lookup-only bf16 tables stay bf16
     _cast_floats(model, mx.float32)
     from rewind.engine import cpu_attention, gated_delta
 
