@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -107,3 +108,20 @@ def test_engine_and_prompt_cache_give_plain_greedy(bf16_folder, tmp_path: Path) 
     assert other.tokens == greedy(tokenizer.encode("The quick brown fox " * 4), 8)
     assert second.finish.usage.cached_tokens == len(turn1) + len(first.tokens) - 1
     assert second.tokens == greedy(turn2, 8)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(1,), (37,), (2, 5)])
+def test_a_linear_layer_equals_the_float32_product(bias: bool, lead: tuple) -> None:
+    """x @ W^T (+ b) for a bf16 layer, any leading shape, with and without a bias (Qwen 2's q,
+    k and v have one), against the same product in float32."""
+    mx.random.seed(len(lead) * 10 + bias)
+    layer = nn.Linear(72, 40, bias=bias)
+    layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((*lead, 72))
+    expected = x @ layer.weight.astype(mx.float32).T
+    if bias:
+        expected = expected + layer.bias.astype(mx.float32)
+    got = NativeLinear(layer)(x)
+    assert got.shape == (*lead, 40) and got.dtype == mx.float32
+    assert float(mx.abs(got - expected).max()) < 1e-4
