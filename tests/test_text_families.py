@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from rewind.cache import PromptCache
 from rewind.config import CacheConfig, EngineConfig
 from rewind.engine import Engine, GenerationRequest, SamplingParams
+from rewind.engine.forward import last_logits, split_model
 from rewind.engine.native_forward import native_forward
 from rewind.models.loader import load_model
 from rewind.testing.tiny_models import build_tiny_model
@@ -116,3 +117,25 @@ def test_llama3_rope_scaling_on_the_engine_thread(llama3_folder: Path, native: s
             temperature=0.0, max_tokens=12, logit_bias=no_eos(loaded))), TIMEOUT)
     assert result.tokens == reference_greedy(loaded.model, prompt, 12)
     assert len(set(result.tokens)) > 2
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(str(build_tiny_model(
+        "gemma3", tmp_path_factory.mktemp("gemma2"),
+        overrides={"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})))
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma2"])
+def test_soft_capped_families_compute_only_the_last_logits(request, family: str) -> None:
+    """Gemma 2 and 4 soft-cap their logits after the head: the split knows it, so a prefill
+    computes no logits and the last position's equal the full model's."""
+    loaded = request.getfixturevalue(family)
+    split = split_model(loaded.model)
+    assert split is not None and split.softcap == 30.0
+    tokens = mx.array([loaded.tokenizer.encode(TEXT)[:150]])
+    full = loaded.model(tokens, cache=make_prompt_cache(loaded.model))[:, -1, :]
+    fast = last_logits(loaded.model, tokens, make_prompt_cache(loaded.model))
+    assert float(mx.abs(full).max()) <= 30.0
+    assert float(mx.abs(fast - full).max()) < 1e-4

@@ -134,7 +134,7 @@ def rewind_perplexity(model: Any, tokenizer: Any, text: str, limit: int = 2048) 
     tokens = tokenizer.encode(text)[:limit]
     split = split_model(model)
     hidden = split.backbone(mx.array([tokens[:-1]]), cache=None)[0]
-    logits = (fast_head(model) or split.head)(hidden).astype(mx.float32)
+    logits = split.logits(hidden, fast_head(model)).astype(mx.float32)
     log_probs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     targets = np.array(tokens[1:])
     return math.exp(-float(log_probs[np.arange(len(targets)), targets].mean()))

@@ -27,12 +27,26 @@ import mlx.core as mx
 _BACKBONE_THEN_HEAD = frozenset({"llama", "mistral", "ministral3", "qwen2", "qwen3",
                                  "gemma3_text", "qwen3_5", "qwen3_vl", "qwen3_vl_text",
                                  "qwen3_vl_moe_text"})
+# Families whose __call__ is backbone, head, then final soft-capping of the logits,
+# cap * tanh(logits / cap), with the cap in the Model's `final_logit_softcapping` (Gemma 2 and
+# Gemma 4, read in mlx-lm 0.32's gemma2.py and gemma4_text.py).
+_BACKBONE_HEAD_SOFTCAP = frozenset({"gemma2", "gemma4_text"})
 
 
 @dataclass(frozen=True)
 class ModelSplit:
     backbone: Callable[..., mx.array]  # (tokens [B,T], cache=list) -> hidden states [B,T,H]
     head: Callable[[mx.array], mx.array]  # hidden states [..., H] -> logits [..., vocab]
+    softcap: float | None = None  # the family's final logit soft-capping, if any
+
+    def logits(self, hidden: mx.array, head: Callable[[mx.array], mx.array] | None = None
+               ) -> mx.array:
+        """The model's logits for these hidden states, through `head` (e.g. the CPU fast head)
+        in place of the model's own where given."""
+        out = (head if head is not None else self.head)(hidden)
+        if self.softcap:
+            out = mx.tanh(out / self.softcap) * self.softcap
+        return out
 
 
 def _text_model(model: Any) -> Any:
@@ -60,10 +74,14 @@ def split_model(model: Any) -> ModelSplit | None:
     text_model = _text_model(model)
     model_type = getattr(getattr(text_model, "args", None), "model_type", None)
     split: ModelSplit | None = None
-    if model_type in _BACKBONE_THEN_HEAD and hasattr(text_model, "model"):
+    known = model_type in _BACKBONE_THEN_HEAD or model_type in _BACKBONE_HEAD_SOFTCAP
+    if known and hasattr(text_model, "model"):
         backbone = text_model.model
         head = backbone.embed_tokens.as_linear if _is_tied(text_model) else text_model.lm_head
-        split = ModelSplit(backbone=backbone, head=head)
+        softcap = (getattr(text_model, "final_logit_softcapping", None)
+                   if model_type in _BACKBONE_HEAD_SOFTCAP else None)
+        split = ModelSplit(backbone=backbone, head=head,
+                           softcap=float(softcap) if softcap else None)
     # Cached on the instance (outside the parameter tree: nn.Module stores public attributes as
     # children, so this uses object.__setattr__); False marks "no split known".
     object.__setattr__(model, "_rewind_split", split or False)
@@ -118,5 +136,4 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
         return model(tokens, cache=cache, **kwargs)[:, -1, :]
     hidden = split.backbone(tokens, cache=cache, **kwargs)
     # The loader's CPU head (bf16/int8 weights read by a C kernel) when one is installed.
-    head = model.__dict__.get("_rewind_fast_head") or split.head
-    return head(hidden[:, -1, :])
+    return split.logits(hidden[:, -1, :], model.__dict__.get("_rewind_fast_head"))
