@@ -139,3 +139,33 @@ def test_soft_capped_families_compute_only_the_last_logits(request, family: str)
     fast = last_logits(loaded.model, tokens, make_prompt_cache(loaded.model))
     assert float(mx.abs(full).max()) <= 30.0
     assert float(mx.abs(fast - full).max()) < 1e-4
+
+
+# Families whose call is backbone then head (rewind.engine.forward), built from the tiny llama's
+# sizes with what each needs besides.
+BACKBONE_THEN_HEAD = {
+    "olmo2": {},
+    "smollm3": {"no_rope_layer_interval": 4},
+    "phi3": {},
+    "glm4": {"attention_bias": True, "partial_rotary_factor": 0.5},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "qwen3_next": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "norm_topk_prob": True, "full_attention_interval": 2,
+                   "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                   "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                   "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.5},
+}
+
+
+@pytest.mark.parametrize("family", sorted(BACKBONE_THEN_HEAD))
+def test_more_families_compute_only_the_last_logits(tmp_path: Path, family: str) -> None:
+    folder = build_tiny_model("llama", tmp_path, overrides={"model_type": family,
+                                                            **BACKBONE_THEN_HEAD[family]})
+    model = load_model(str(folder)).model
+    assert split_model(model) is not None
+    tokens = mx.array([list(range(3, 140))])
+    full = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+    fast = last_logits(model, tokens, make_prompt_cache(model))
+    assert float(mx.abs(fast - full).max()) < 1e-4 * max(1.0, float(mx.abs(full).max()))

@@ -24,9 +24,13 @@ import mlx.core as mx
 # "mistral" is mlx-lm's llama class under another name (Mistral text models, and the language
 # model of Pixtral and Mistral 3 vision folders); "ministral3" is Ministral 3's. Qwen3-VL's
 # language model is mlx-lm's qwen3 (qwen3_moe for qwen3_vl_moe) under its text config's type.
+# Qwen 3.5's language model takes its text config's type ("qwen3_5_text", "qwen3_5_moe_text") in
+# folders that nest one, the folder's in flat ones.
 _BACKBONE_THEN_HEAD = frozenset({"llama", "mistral", "ministral3", "qwen2", "qwen3",
-                                 "gemma3_text", "qwen3_5", "qwen3_vl", "qwen3_vl_text",
-                                 "qwen3_vl_moe_text"})
+                                 "gemma3_text", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                 "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text",
+                                 "qwen3_vl_moe_text", "qwen3_moe", "qwen3_next", "olmo2",
+                                 "smollm3", "phi3", "glm4"})
 # Families whose __call__ is backbone, head, then final soft-capping of the logits,
 # cap * tanh(logits / cap), with the cap in the Model's `final_logit_softcapping` (Gemma 2 and
 # Gemma 4, read in mlx-lm 0.32's gemma2.py and gemma4_text.py).
