@@ -125,3 +125,23 @@ def test_a_linear_layer_equals_the_float32_product(bias: bool, lead: tuple) -> N
     got = NativeLinear(layer)(x)
     assert got.shape == (*lead, 40) and got.dtype == mx.float32
     assert float(mx.abs(got - expected).max()) < 1e-4
+
+
+def test_after_the_native_forward_pass_is_removed(tmp_path: Path) -> None:
+    """rewind.vision.mrope moves a loaded llama-family model (the C layer kernels installed,
+    its Linear weights slices of stacked bf16 matrices) to MLX's layers: the Linear layers then
+    read those slices, and the logits are MLX's float32 ones."""
+    from rewind.engine.native_forward import native_forward
+    from rewind.models.loader import use_mlx_layers
+
+    folder = convert(build_tiny_model("llama", tmp_path / "f32"), tmp_path / "bf16",
+                     QuantSpec(16), show_progress=False)
+    moved = load_model(str(folder))
+    assert native_forward(moved.model) is not None
+    use_mlx_layers(moved.model)
+    assert native_forward(moved.model) is None and native_linear_bytes(moved.model) > 0
+    plain = load_model(str(folder), native_forward="off")
+    tokens = mx.array([list(range(3, 200))])
+    expected = np.array(plain.model(tokens))
+    got = np.array(moved.model(tokens))
+    assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
