@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any
+
+from rewind.bench.timing import median_seconds
 
 RESULTS = Path("benchmarks/results")
 DEFAULT_SHAPES = ("512x512", "512x4096", "512x8704", "1x512", "1x8704")
@@ -30,13 +30,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _median_ms(call: Any, runs: int) -> float:
-    call()
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    return median_seconds(call, runs) * 1000
 
 
 def run(args: argparse.Namespace) -> int:

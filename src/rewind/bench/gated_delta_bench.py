@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rewind.bench.timing import median_seconds
 
 RESULTS = Path("benchmarks/results")
 # A Qwen 3.5 0.8B-like shape (random weights; only the timings mean anything). Vocabulary cut
@@ -45,16 +46,6 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="JSON output; the Markdown table goes beside it (.md)")
 
 
-def _median_s(call: Any, runs: int) -> float:
-    call()
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def _recurrence_rows(args: argparse.Namespace, recurrence: Any) -> list[dict[str, Any]]:
     import mlx.core as mx
     from mlx_lm.models.gated_delta import gated_delta_ops
@@ -74,8 +65,10 @@ def _recurrence_rows(args: argparse.Namespace, recurrence: Any) -> list[dict[str
         expected, _ = gated_delta_ops(q, k, v, g, beta, state)
         got, _ = recurrence(q, k, v, g, beta, state)
         error = float(mx.abs(got - expected).max())
-        ops_s = _median_s(lambda: mx.eval(gated_delta_ops(q, k, v, g, beta, state)), args.runs)
-        kernel_s = _median_s(lambda: mx.eval(recurrence(q, k, v, g, beta, state)), args.runs)
+        ops_s = median_seconds(lambda: mx.eval(gated_delta_ops(q, k, v, g, beta, state)),
+                               args.runs)
+        kernel_s = median_seconds(lambda: mx.eval(recurrence(q, k, v, g, beta, state)),
+                                  args.runs)
         rows.append({"steps": steps, "ops_ms": round(ops_s * 1000, 3),
                      "rewind_ms": round(kernel_s * 1000, 3),
                      "speedup": round(ops_s / kernel_s, 1), "max_abs_difference": error})
