@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from gated_delta_inputs import inputs
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from rewind.engine import cpu_gated_delta, gated_delta, native
@@ -16,24 +17,6 @@ pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(
     native.load_kernels() is None, reason="needs x86-64 AVX2 and a C compiler")]
 
 TOLERANCE = 1e-5  # float32, only the order of summation differs
-
-
-def inputs(batch: int, steps: int, key_heads: int, value_heads: int, key_dim: int,
-           value_dim: int, per_key_gate: bool, seed: int) -> dict[str, mx.array]:
-    rng = np.random.default_rng(seed)
-
-    def normal(*shape: int, scale: float = 1.0) -> mx.array:
-        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
-
-    gate_shape = (batch, steps, value_heads, key_dim) if per_key_gate else (batch, steps,
-                                                                            value_heads)
-    return {"q": normal(batch, steps, key_heads, key_dim, scale=key_dim ** -0.5),
-            "k": normal(batch, steps, key_heads, key_dim, scale=key_dim ** -0.5),
-            "v": normal(batch, steps, value_heads, value_dim),
-            "g": mx.array(rng.uniform(0.5, 1.0, gate_shape).astype(np.float32)),
-            "beta": mx.array(rng.uniform(0.0, 1.0, (batch, steps, value_heads))
-                             .astype(np.float32)),
-            "state": normal(batch, value_heads, value_dim, key_dim)}
 
 
 @pytest.mark.parametrize("shape", [

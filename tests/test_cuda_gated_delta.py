@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from gated_delta_inputs import inputs
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from rewind.engine import cuda_gated_delta, gated_delta
@@ -16,27 +17,10 @@ pytestmark = pytest.mark.skipif(not mx.cuda.is_available() or mx.default_device(
                                 reason="needs MLX's CUDA backend")
 
 
-def inputs(shape: tuple, seed: int) -> dict[str, mx.array]:
-    batch, steps, key_heads, value_heads, key_dim, value_dim, per_key = shape
-    rng = np.random.default_rng(seed)
-
-    def normal(*dims: int, scale: float = 1.0) -> mx.array:
-        return mx.array((rng.standard_normal(dims) * scale).astype(np.float32))
-
-    gate = (batch, steps, value_heads, key_dim) if per_key else (batch, steps, value_heads)
-    return {"q": normal(batch, steps, key_heads, key_dim, scale=key_dim ** -0.5),
-            "k": normal(batch, steps, key_heads, key_dim, scale=key_dim ** -0.5),
-            "v": normal(batch, steps, value_heads, value_dim),
-            "g": mx.array(rng.uniform(0.5, 1.0, gate).astype(np.float32)),
-            "beta": mx.array(rng.uniform(0.0, 1.0, (batch, steps, value_heads))
-                             .astype(np.float32)),
-            "state": normal(batch, value_heads, value_dim, key_dim)}
-
-
 @pytest.mark.parametrize("shape", [(1, 40, 2, 2, 32, 32, False), (2, 17, 2, 4, 128, 128, False),
                                    (1, 9, 4, 4, 64, 48, True), (2, 1, 2, 4, 128, 128, True)])
 def test_recurrence_equals_mlx_lm_ops(shape: tuple) -> None:
-    args = inputs(shape, seed=shape[1])
+    args = inputs(*shape, seed=shape[1])
     expected_y, expected_state = gated_delta_ops(**args)
     got_y, got_state = cuda_gated_delta.recurrence(**args)
     assert got_y.shape == expected_y.shape and got_state.dtype == mx.float32
@@ -46,7 +30,7 @@ def test_recurrence_equals_mlx_lm_ops(shape: tuple) -> None:
 
 
 def test_a_masked_step_leaves_the_state_alone() -> None:
-    args = inputs((2, 12, 2, 2, 32, 32, False), seed=5)
+    args = inputs(2, 12, 2, 2, 32, 32, False, seed=5)
     mask = mx.array(np.array([[True] * 12, [False] * 4 + [True] * 8]))
     expected_y, expected_state = gated_delta_ops(**args, mask=mask)
     got_y, got_state = cuda_gated_delta.recurrence(**args, mask=mask)
