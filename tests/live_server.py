@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import anthropic
+import httpx
+import openai
 import uvicorn
 
 
@@ -24,3 +32,76 @@ def serve_on_free_port(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]
         time.sleep(0.05)
     assert server.started, "the server did not start"
     return f"http://127.0.0.1:{port}", server, thread
+
+
+@dataclass
+class Live:
+    url: str
+    engine: Any
+    loaded: Any
+    model: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def openai(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"),
+                             timeout=60, max_retries=0, **kwargs)
+
+    def anthropic(self, **kwargs: Any) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key=kwargs.pop("api_key", "unused"),
+                                   timeout=60, max_retries=0, **kwargs)
+
+
+def start_server(app: Any, engine: Any, loaded: Any) -> Live:
+    url, server, thread = serve_on_free_port(app)
+    return Live(url, engine, loaded, str(loaded.name), server, thread)
+
+
+def post(live: Live, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    return httpx.post(f"{live.url}{path}", content=content, headers=headers, timeout=30,
+                      **kwargs)
+
+
+def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def anthropic_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error"
+    return body["error"]
+
+
+@contextmanager
+def tiny_live_server(folder: Path, scratch: Path, **server_config: Any) -> Iterator[Live]:
+    """The real engine and prompt cache (RAM + a 64 MiB disk tier) on a tiny model folder, served
+    on loopback; `server_config` sets ServerConfig fields."""
+    from rewind.cache.prompt_cache import PromptCache
+    from rewind.config import CacheConfig, EngineConfig, ServerConfig
+    from rewind.engine import Engine
+    from rewind.models.loader import load_model
+    from rewind.server.app import create_app
+
+    loaded = load_model(str(folder))
+    cache_config = CacheConfig(cache_dir=scratch, disk_bytes=64 << 20)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, cache_config)
+    engine = Engine(loaded, EngineConfig(parallel=4, max_queue=64, cache=cache_config),
+                    prompt_cache).start()
+    config = ServerConfig(model=str(loaded.name), **server_config)
+    server = start_server(create_app(loaded, engine, config, prompt_cache), engine, loaded)
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.shutdown()
+        prompt_cache.close()

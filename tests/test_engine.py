@@ -228,16 +228,21 @@ def test_a_failing_request_does_not_disturb_the_engine(tiny_loaded):
     loaded = tiny_loaded("llama")
     prompt = loaded.tokenizer.encode("hello world")
     with Engine(loaded) as engine:
-        not_ids: list = ["not", "token", "ids"]  # fails inside the engine, on its thread
-        broken = engine.submit(GenerationRequest(not_ids, greedy()))
+        def embed(start: int, end: int):  # called on the engine thread, for each chunk
+            raise RuntimeError("the image tower failed")
+
+        broken = engine.submit(GenerationRequest(prompt, greedy(), embed=embed))
         finish = broken.collect(TIMEOUT).finish
-        assert finish.reason == "error" and finish.error
+        assert finish.reason == "error" and "image tower" in finish.error
         healthy = engine.generate(GenerationRequest(prompt, greedy(max_tokens=4)), TIMEOUT)
         assert healthy.finish.reason in ("length", "stop") and healthy.tokens
         with pytest.raises(InvalidRequestError):
             engine.submit(GenerationRequest([], greedy()))
         with pytest.raises(InvalidRequestError):
             engine.submit(GenerationRequest(prompt, greedy(logit_bias={10**9: 1.0})))
+        for ids in (["not", "ids"], [1, 10**9], [-1], [2**70]):  # never reach the kernels
+            with pytest.raises(InvalidRequestError):
+                engine.submit(GenerationRequest(ids, greedy()))
 
 
 def test_penalties_and_bias_reach_the_model_output(tiny_loaded):

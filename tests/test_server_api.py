@@ -6,22 +6,25 @@ paths; tool calls are produced by a prefilled assistant turn that the model must
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
-from live_server import serve_on_free_port
-import uvicorn
+from live_server import (
+    Live,
+    anthropic_error,
+    openai_error,
+    post,
+    start_server,
+    tiny_live_server,
+)
 
-from rewind.cache.prompt_cache import PromptCache
-from rewind.config import CacheConfig, EngineConfig, ServerConfig
+from rewind.config import EngineConfig, ServerConfig
 from rewind.engine import Engine
 from rewind.models.loader import load_model
 from rewind.server.app import create_app
@@ -35,46 +38,11 @@ TOOL_PREFILL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Berl
 BODY_LIMIT = 256 << 10
 
 
-@dataclass
-class Live:
-    url: str
-    engine: Engine
-    loaded: Any
-    model: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def openai(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"),
-                             timeout=60, max_retries=0, **kwargs)
-
-    def anthropic(self, **kwargs: Any) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key=kwargs.pop("api_key", "unused"),
-                                   timeout=60, max_retries=0, **kwargs)
-
-
-def start_server(app: Any, engine: Engine, loaded: Any) -> Live:
-    url, server, thread = serve_on_free_port(app)
-    return Live(url, engine, loaded, str(loaded.name), server, thread)
-
-
 @pytest.fixture(scope="module")
 def live(tiny_model_path, tmp_path_factory) -> Iterator[Live]:
-    loaded = load_model(str(tiny_model_path("llama")))
-    cache_config = CacheConfig(cache_dir=tmp_path_factory.mktemp("scratch"), disk_bytes=64 << 20)
-    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, cache_config)
-    engine = Engine(loaded, EngineConfig(parallel=4, max_queue=64, cache=cache_config),
-                    prompt_cache).start()
-    config = ServerConfig(model=str(loaded.name), max_body_bytes=BODY_LIMIT)
-    server = start_server(create_app(loaded, engine, config, prompt_cache), engine, loaded)
-    yield server
-    server.stop()
-    engine.shutdown()
-    prompt_cache.close()
+    with tiny_live_server(tiny_model_path("llama"), tmp_path_factory.mktemp("scratch"),
+                          max_body_bytes=BODY_LIMIT) as server:
+        yield server
 
 
 def wait_idle(engine: Engine, seconds: float = 30.0) -> dict[str, Any]:
@@ -338,27 +306,6 @@ def test_sixteen_concurrent_clients_at_parallel_four(live):
 
 
 # ---------------------------------------------------------------- errors
-
-
-def post(live: Live, path: str, body: Any, **kwargs: Any) -> httpx.Response:
-    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
-    return httpx.post(f"{live.url}{path}", content=content, headers=headers, timeout=30,
-                      **kwargs)
-
-
-def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
-
-
-def anthropic_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body["type"] == "error"
-    return body["error"]
 
 
 def test_openai_errors(live):

@@ -65,6 +65,9 @@ class ServerConfig:
     port: int = 1234
     api_key: str | None = None
     max_body_bytes: int = 32 << 20
+    # A body that sends nothing for this long is abandoned with a 408 (uvicorn itself never
+    # times a body out, so a stalled upload would hold its connection forever).
+    body_idle_seconds: float = 30.0
     allow_image_urls: bool = False
     cpu_weights: str = "exact"  # rewind.models.loader.CPU_WEIGHTS
     engine: EngineConfig = field(default_factory=EngineConfig)

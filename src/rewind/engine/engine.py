@@ -141,6 +141,18 @@ def _eos_token_ids(tokenizer: Any, config: dict) -> set[int]:
     return ids
 
 
+def _check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
+    try:
+        low, high = min(tokens), max(tokens)
+        out_of_range = low < 0 or high >= vocab_size
+    except TypeError as exc:
+        raise InvalidRequestError(f"{what} token ids must be integers") from exc
+    if out_of_range:
+        bad = low if low < 0 else high
+        raise InvalidRequestError(f"{what} token id {bad} is outside this model's vocabulary "
+                                  f"(ids 0 to {vocab_size - 1})")
+
+
 def _vocab_size(model: Any, tokenizer: Any, config: dict) -> int:
     for cfg in (config, config.get("text_config") or {}):
         if isinstance(cfg.get("vocab_size"), int):
@@ -221,6 +233,11 @@ class Engine:
             raise EngineStoppedError("the engine is not running")
         if not request.prompt_tokens:
             raise InvalidRequestError("the prompt is empty")
+        # Ids reach the embedding lookup and native kernels unchecked: one out of range there is
+        # a crash of the whole process, not an error of this request.
+        _check_token_ids(request.prompt_tokens, self.vocab_size, "prompt")
+        if request.model_tokens is not None:
+            _check_token_ids(request.model_tokens, self.vocab_size, "model_tokens")
         if (request.model_tokens is not None
                 and len(request.model_tokens) != len(request.prompt_tokens)):
             raise InvalidRequestError(f"model_tokens has {len(request.model_tokens)} ids for "

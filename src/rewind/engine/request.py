@@ -5,6 +5,7 @@ Everything here is plain data: the engine thread fills it in, callers read it.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping
@@ -59,6 +60,13 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed < 1 << 64, "seed must be in [0, 2**64)"),
+            (all(math.isfinite(v) for v in (self.temperature, self.top_p, self.min_p,
+                                            self.repetition_penalty, self.presence_penalty,
+                                            self.frequency_penalty)),
+             "sampling values must be finite numbers"),
+            (all(math.isfinite(v) for v in (self.logit_bias or {}).values()),
+             "logit_bias values must be finite numbers"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
         ]
         for ok, message in checks:

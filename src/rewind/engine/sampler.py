@@ -29,6 +29,15 @@ class Sampled:
     top_logprobs: list[tuple[int, float]] | None
 
 
+# What OpenAI reports for a token the model gives no chance: JSON has no -Infinity, and a bare
+# -Infinity in a response or an SSE line breaks every client's parser.
+LOWEST_LOGPROB = -9999.0
+
+
+def _reportable(logprob: float) -> float:
+    return float(logprob) if math.isfinite(logprob) else LOWEST_LOGPROB
+
+
 class SequenceSampler:
     """Sampling state of one sequence: prompt token set, generated-token counts, random key."""
 
@@ -141,7 +150,7 @@ def sample_rows(samplers: list[SequenceSampler], logits: mx.array) -> list[Sampl
         top = None
         if top_ids is not None:
             pairs = zip(top_ids.tolist(), top_values.tolist())
-            top = sorted(((int(i), float(v)) for i, v in pairs), key=lambda pair: -pair[1])
-        value = None if logprob is None else float(logprob.item())
+            top = sorted(((int(i), _reportable(v)) for i, v in pairs), key=lambda pair: -pair[1])
+        value = None if logprob is None else _reportable(logprob.item())
         results.append(Sampled(int(token.item()), value, top))
     return results

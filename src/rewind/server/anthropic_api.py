@@ -15,6 +15,7 @@ from rewind.engine import SamplingParams, Usage
 from rewind.server.body import parse_body
 from rewind.server.chat_format import ChatPrompt, Message
 from rewind.server.errors import ApiError, bad_request, error_body
+from rewind.server.openapi import json_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
 from rewind.server.streaming import KEEPALIVE_SECONDS, SSE_HEADERS, Generation, sse_event
@@ -181,19 +182,19 @@ def _block(piece: Piece) -> dict[str, Any]:
     return {"type": "text", "text": piece.text}
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
 async def count_tokens(request: Request) -> Any:
     runtime: ServerRuntime = request.app.state.runtime
-    body = await parse_body(request, CountTokensRequest, runtime.config.max_body_bytes)
+    body = await parse_body(request, CountTokensRequest, runtime.config)
     runtime.check_model(body.model)
     _, prompt = render(runtime, body)
     return {"input_tokens": len(prompt.tokens)}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=json_body(MessagesRequest))
 async def messages(request: Request) -> Any:
     runtime: ServerRuntime = request.app.state.runtime
-    body = await parse_body(request, MessagesRequest, runtime.config.max_body_bytes)
+    body = await parse_body(request, MessagesRequest, runtime.config)
     runtime.check_model(body.model)
     messages_, prompt = render(runtime, body)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_tokens)

@@ -14,6 +14,8 @@ from rewind.config import ServerConfig
 from rewind.server import anthropic_api, openai_api, responses_api
 from rewind.server.auth import ApiKeyMiddleware
 from rewind.server.errors import ApiError, error_response, flavor_for_path, validation_message
+from rewind.server.error_shield import ErrorShield
+from rewind.server.openapi import describe_bodies
 from rewind.server.runtime import ServerRuntime
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,12 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    # Outermost: a bug in a handler becomes a 500 in the API's shape on a connection that stays
+    # usable (Starlette's own last-resort handler answers and then re-raises, so uvicorn drops
+    # the keep-alive connection under the client's next request).
+    app.add_middleware(ErrorShield,
+                       on_error=lambda: runtime.metrics.http_errors.labels("500").inc())
+    describe_bodies(app)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -51,13 +59,10 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return await api_error(request, ApiError(exc.status_code, kind, message))
+        # The 405's Allow header (RFC 9110) comes in exc.headers.
+        return await api_error(request, ApiError(exc.status_code, kind, message,
+                                                 headers=dict(exc.headers or {})))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return await api_error(request, ApiError(500, "server",
-                                                 f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -117,7 +117,7 @@ class ChatFormatter:
                 tools = None
         # A trailing assistant message is a prefill to continue, not a turn to answer.
         continue_final = messages[-1]["role"] == "assistant"
-        kwargs = dict(template_kwargs or {})
+        kwargs = _checked_template_kwargs(template_kwargs)
         if tools:
             kwargs["tools"] = tools
         final_kwargs = {"continue_final_message": True} if continue_final else {}
@@ -153,6 +153,22 @@ class ChatFormatter:
         if not start or not end:
             return False
         return generation_prompt.rfind(start) > generation_prompt.rfind(end)
+
+
+# Arguments of transformers' apply_chat_template (and the template's own `messages`): the server
+# sets these itself, and a client's value would clash with it or change what comes back.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _checked_template_kwargs(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {}))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server "
+                          "sets these itself", param="chat_template_kwargs")
+    return dict(template_kwargs or {})
 
 
 def _plain_transcript(messages: list[Message], add_generation_prompt: bool) -> str:

@@ -15,6 +15,7 @@ from rewind.engine import SamplingParams, TokenEvent, Usage
 from rewind.server.body import parse_body
 from rewind.server.chat_format import Message
 from rewind.server.errors import ApiError, bad_request, error_body
+from rewind.server.openapi import json_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import (
     ChatCompletionRequest,
@@ -120,7 +121,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool = F
         repetition_penalty=body.repetition_penalty or 1.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        seed=body.seed,
+        seed=None if body.seed == -1 else body.seed,
         logit_bias=runtime.token_ids(body.logit_bias),
         stop=stop,
         max_tokens=max_tokens,
@@ -174,10 +175,10 @@ def _reject_unsupported(body: SamplingFields) -> None:
 # ---------------------------------------------------------------- /v1/chat/completions
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Any:
     runtime = _runtime(request)
-    body = await parse_body(request, ChatCompletionRequest, runtime.config.max_body_bytes)
+    body = await parse_body(request, ChatCompletionRequest, runtime.config)
     runtime.check_model(body.model)
     _reject_unsupported(body)
     if body.response_format is not None and body.response_format.type != "text":
@@ -291,10 +292,10 @@ def _prompt_tokens(runtime: ServerRuntime, prompt: str | list[str] | list[int]) 
     return list(runtime.tokenizer.encode(text))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> Any:
     runtime = _runtime(request)
-    body = await parse_body(request, CompletionRequest, runtime.config.max_body_bytes)
+    body = await parse_body(request, CompletionRequest, runtime.config)
     runtime.check_model(body.model)
     _reject_unsupported(body)
     tokens = _prompt_tokens(runtime, body.prompt)

@@ -21,6 +21,7 @@ from rewind.engine import SamplingParams, Usage
 from rewind.server.body import parse_body
 from rewind.server.chat_format import Message
 from rewind.server.errors import bad_request
+from rewind.server.openapi import json_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import ResponsesRequest
 from rewind.server.streaming import (
@@ -60,6 +61,23 @@ def _parts_text(content: Any, where: str, add_image: Callable[[Any], str] | None
     return "".join(texts)
 
 
+def _call_arguments(raw: Any, where: str) -> dict[str, Any]:
+    """A function_call's arguments: a JSON object in a string (the API's form), or the object
+    itself (which some clients send)."""
+    if isinstance(raw, dict):
+        return raw
+    if raw is not None and not isinstance(raw, str):
+        raise bad_request(f"{where}: arguments must be a string of JSON, not "
+                          f"{type(raw).__name__}", param="input")
+    try:
+        arguments = json.loads(raw or "{}")
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"{where}: arguments are not JSON: {exc}", param="input") from exc
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}: arguments must be a JSON object", param="input")
+    return arguments
+
+
 def neutral_messages(body: ResponsesRequest,
                      add_image: Callable[[Any], str] | None = None) -> list[Message]:
     out: list[Message] = []
@@ -83,11 +101,7 @@ def neutral_messages(body: ResponsesRequest,
             out.append(message)
         elif kind in ("function_call", "custom_tool_call"):
             if kind == "function_call":
-                try:
-                    arguments = json.loads(item.get("arguments") or "{}")
-                except json.JSONDecodeError as exc:
-                    raise bad_request(f"{where}: arguments are not JSON: {exc}",
-                                      param="input") from exc
+                arguments = _call_arguments(item.get("arguments"), where)
             else:
                 arguments = {"input": item.get("input", "")}
             call = {"id": item.get("call_id") or _new_id("call"), "type": "function",
@@ -220,10 +234,10 @@ class _Output:
                 ("response.output_item.done", {"output_index": index, "item": item})]
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
 async def responses(request: Request) -> Any:
     runtime: ServerRuntime = request.app.state.runtime
-    body = await parse_body(request, ResponsesRequest, runtime.config.max_body_bytes)
+    body = await parse_body(request, ResponsesRequest, runtime.config)
     runtime.check_model(body.model)
     if body.previous_response_id:
         raise bad_request("previous_response_id is not supported: this server stores no "

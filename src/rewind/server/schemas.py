@@ -7,7 +7,7 @@ API modules: the clients parse them, and dicts keep the SSE path cheap.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,8 +86,10 @@ class SamplingFields(_Lenient):
     repetition_penalty: float | None = Field(default=None, gt=0)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
+    # -1 asks for a random seed, as llama.cpp's server takes it; MLX's keys are 64-bit.
+    seed: int | None = Field(default=None, ge=-1, lt=1 << 64)
+    # OpenAI's own range: past +-100 a bias only bans or forces a token.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None

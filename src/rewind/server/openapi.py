@@ -1,0 +1,45 @@
+"""The request bodies in /openapi.json.
+
+The API routes read their raw bodies themselves (body.py: a size limit before reading, an idle
+timeout, JSON that Python accepts but JSON does not), so FastAPI cannot see what they take.
+`json_body(Model)` declares it on the route, and `describe_bodies(app)` puts the models' schemas
+under components, so clients, SDK generators and fuzzers get a true description.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+_REF_TEMPLATE = "#/components/schemas/{model}"
+_BODY_MODELS: list[type[BaseModel]] = []
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body is `model`, as JSON."""
+    if model not in _BODY_MODELS:
+        _BODY_MODELS.append(model)
+    schema = {"$ref": _REF_TEMPLATE.format(model=model.__name__)}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
+def describe_bodies(app: FastAPI) -> None:
+    """Wrap `app.openapi` so the document carries every declared body model's schema."""
+    plain_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = plain_openapi()
+        _, definitions = models_json_schema([(model, "validation") for model in _BODY_MODELS],
+                                            ref_template=_REF_TEMPLATE)
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(definitions.get("$defs", {}))
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
