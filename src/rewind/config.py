@@ -69,5 +69,7 @@ class ServerConfig:
     # times a body out, so a stalled upload would hold its connection forever).
     body_idle_seconds: float = 30.0
     allow_image_urls: bool = False
+    # Output tokens of a request that names no limit, and the most any request gets.
+    max_tokens: int = 4096
     cpu_weights: str = "exact"  # rewind.models.loader.CPU_WEIGHTS
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cap each sequence's KV cache (rotating) at N tokens")
     parser.add_argument("--max-body", default="32MiB", metavar="SIZE",
                         help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=4096, metavar="N",
+                        help="output tokens of a request that sends no limit, and the most any "
+                        "request gets (default: %(default)s)")
     parser.add_argument("--allow-image-urls", action="store_true",
                         help="fetch http(s) image URLs sent in requests (off: only inline "
                         "base64 images are accepted)")
@@ -59,7 +62,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           max_kv_size=args.max_kv_size, cache=cache)
     return ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                         max_body_bytes=parse_size(args.max_body),
-                        allow_image_urls=args.allow_image_urls, cpu_weights=args.cpu_weights,
+                        allow_image_urls=args.allow_image_urls, max_tokens=args.max_tokens,
+                        cpu_weights=args.cpu_weights,
                         engine=engine)
 
 

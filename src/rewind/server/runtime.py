@@ -82,21 +82,21 @@ class ServerRuntime:
                        f"{self.model_id!r}", param="model", code="model_not_found")
 
     def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
-        """Check the prompt and the requested max_tokens against the context (400 with counts);
-        without a request, generate up to the end of the context."""
+        """How many tokens a request may generate: what it asks for (the server's --max-tokens
+        when it asks for nothing: agents such as codex send no limit), at most --max-tokens and
+        what is left of the context. Agents ask for more than small models hold (Claude Code asks
+        for 32k), so that is a cut, answered with finish_reason "length", as llama.cpp's and
+        Ollama's servers do; a prompt that leaves no room at all is a 400 with the counts."""
+        ceiling = self.config.max_tokens
+        wanted = min(requested or ceiling, ceiling)
         limit = self.context_length
         if limit is None:
-            return requested or 4096
+            return wanted
         if prompt_tokens >= limit:
             raise bad_request(f"this model's maximum context length is {limit} tokens, but the "
                               f"prompt has {prompt_tokens} tokens", param="messages",
                               code="context_length_exceeded")
-        if requested is not None and prompt_tokens + requested > limit:
-            raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt "
-                              f"has {prompt_tokens} tokens and max_tokens asks for {requested} "
-                              f"more ({prompt_tokens + requested} in all)", param="max_tokens",
-                              code="context_length_exceeded")
-        return requested if requested is not None else limit - prompt_tokens
+        return min(wanted, limit - prompt_tokens)
 
     def token_ids(self, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias has token ids as JSON string keys."""
