@@ -138,7 +138,7 @@ def _responses_call(arguments: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("arguments", [5, 1.5, True, [1], "[1, 2]", "7"])
 def test_responses_function_call_arguments_that_are_no_object_are_a_400(live, arguments):
     error = openai_error(post(live, "/v1/responses", _responses_call(arguments)), 400)
-    assert "arguments" in error["message"] and error["param"] == "input"
+    assert "arguments" in error["message"] and error["param"].startswith("input")
 
 
 def test_responses_function_call_arguments_may_be_an_object(live):

@@ -132,8 +132,6 @@ def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
 
 
 def render(runtime: ServerRuntime, body: CountTokensRequest) -> tuple[list[Message], ChatPrompt]:
-    if not body.messages:
-        raise bad_request("messages must not be empty", param="messages")
     images = runtime.image_collector()
     messages = neutral_messages(body, lambda source: _add_image(runtime, images, source))
     prompt = runtime.formatter.render(messages, _tools(body) or None,

@@ -40,7 +40,7 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
     # the keep-alive connection under the client's next request).
     app.add_middleware(ErrorShield,
                        on_error=lambda: runtime.metrics.http_errors.labels("500").inc())
-    describe_bodies(app)
+    describe_bodies(app, lambda: sorted(runtime.model_names))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

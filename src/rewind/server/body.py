@@ -129,5 +129,5 @@ async def parse_body(request: Request, model: type[Model], config: ServerConfig)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        message, param = validation_message(exc.errors())
+        message, param = validation_message(exc.errors(), data)
         raise bad_request(message, param=param) from exc

@@ -62,13 +62,34 @@ def error_response(error: ApiError, flavor: ApiFlavor) -> JSONResponse:
     return JSONResponse(error_body(error, flavor), status_code=error.status, headers=error.headers)
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """Pydantic's error list -> one readable message and the offending parameter's dotted path."""
+def validation_message(errors: list[dict[str, Any]],
+                       body: Any = None) -> tuple[str, str | None]:
+    """Pydantic's error list -> one readable message and the offending parameter's dotted path.
+    With the request `body`, the path keeps only the parts that name something in it: pydantic
+    puts the names of a union's members (`constrained-str`, `list[int]`, a model's class name)
+    between the real keys."""
     if not errors:
         return "invalid request body", None
-    first = errors[0]
-    param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+    # The deepest error is the most specific one: in a union, the member that got furthest.
+    first = max(errors, key=lambda error: len(error.get("loc", ())))
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if body is not None:
+        loc = _keys_in(body, loc)
+    param = ".".join(str(part) for part in loc) or None
     message = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     where = f"{param}: " if param else ""
     return f"{where}{message}{more}", param
+
+
+def _keys_in(body: Any, loc: list[Any]) -> list[Any]:
+    kept, node = [], body
+    for position, part in enumerate(loc):
+        indexes = (isinstance(node, dict) and isinstance(part, str) and part in node
+                   or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if indexes:
+            node = node[part]
+            kept.append(part)
+        elif position == len(loc) - 1 and isinstance(node, dict):
+            kept.append(part)  # a required field that is missing
+    return kept

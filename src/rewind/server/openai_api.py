@@ -167,11 +167,6 @@ def _logprobs_json(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[str
     return {"content": content}
 
 
-def _reject_unsupported(body: SamplingFields) -> None:
-    if body.n != 1:
-        raise bad_request("n > 1 is not supported: send one request per choice", param="n")
-
-
 # ---------------------------------------------------------------- /v1/chat/completions
 
 
@@ -180,13 +175,10 @@ async def chat_completions(request: Request) -> Any:
     runtime = _runtime(request)
     body = await parse_body(request, ChatCompletionRequest, runtime.config)
     runtime.check_model(body.model)
-    _reject_unsupported(body)
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request(f"response_format {body.response_format.type!r} is not supported: this "
                           "server has no constrained decoding; ask for JSON in the prompt",
                           param="response_format")
-    if not body.messages:
-        raise bad_request("messages must not be empty", param="messages")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     choice = _tool_choice_name(body.tool_choice)
     images = runtime.image_collector()
@@ -278,15 +270,10 @@ def _delta(piece: Piece, tool_index: int) -> dict[str, Any]:
 
 
 def _prompt_tokens(runtime: ServerRuntime, prompt: str | list[str] | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        text = prompt
-    elif prompt and all(isinstance(item, int) for item in prompt):
+    # The schema lets through one text, a list of one text, or a non-empty list of ids.
+    if isinstance(prompt, list) and isinstance(prompt[0], int):
         return list(prompt)  # type: ignore[arg-type]
-    elif len(prompt) == 1:
-        text = prompt[0]  # type: ignore[assignment]
-    else:
-        raise bad_request("send one prompt per request (a list of several prompts is not "
-                          "supported)", param="prompt")
+    text = prompt if isinstance(prompt, str) else prompt[0]
     if not text:
         raise bad_request("the prompt is empty", param="prompt")
     return list(runtime.tokenizer.encode(text))
@@ -297,7 +284,6 @@ async def completions(request: Request) -> Any:
     runtime = _runtime(request)
     body = await parse_body(request, CompletionRequest, runtime.config)
     runtime.check_model(body.model)
-    _reject_unsupported(body)
     tokens = _prompt_tokens(runtime, body.prompt)
     max_tokens = runtime.max_new_tokens(len(tokens), body.max_tokens)
     params = sampling_params(body, max_tokens, logprobs=body.logprobs is not None,

@@ -8,6 +8,7 @@ under components, so clients, SDK generators and fuzzers get a true description.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,8 +28,9 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
                             "content": {"application/json": {"schema": schema}}}}
 
 
-def describe_bodies(app: FastAPI) -> None:
-    """Wrap `app.openapi` so the document carries every declared body model's schema."""
+def describe_bodies(app: FastAPI, served_models: Callable[[], list[str]]) -> None:
+    """Wrap `app.openapi` so the document carries every declared body model's schema, with
+    `model` limited to the names this server answers to (any other is a 404)."""
     plain_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -39,6 +41,11 @@ def describe_bodies(app: FastAPI) -> None:
                                             ref_template=_REF_TEMPLATE)
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(definitions.get("$defs", {}))
+        model_names = {"anyOf": [{"enum": served_models()}, {"type": "null"}]}
+        for model in _BODY_MODELS:
+            properties = schemas[model.__name__].get("properties", {})
+            if "model" in properties:
+                properties["model"] = {**model_names, "title": "Model"}
         app.openapi_schema = document
         return document
 

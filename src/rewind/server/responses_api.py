@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from rewind.engine import SamplingParams, Usage
 from rewind.server.body import parse_body
@@ -23,7 +24,15 @@ from rewind.server.chat_format import Message
 from rewind.server.errors import bad_request
 from rewind.server.openapi import json_body
 from rewind.server.runtime import ServerRuntime
-from rewind.server.schemas import ResponsesRequest
+from rewind.server.schemas import (
+    ResponsesCustomToolCallItem,
+    ResponsesFunctionCallItem,
+    ResponsesMessageItem,
+    ResponsesNamedToolChoice,
+    ResponsesPart,
+    ResponsesRequest,
+    ResponsesToolOutputItem,
+)
 from rewind.server.streaming import (
     KEEPALIVE_SECONDS,
     SSE_HEADERS,
@@ -42,33 +51,28 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def _parts_text(content: Any, where: str, add_image: Callable[[Any], str] | None = None) -> str:
+def _parts_text(content: str | list[ResponsesPart] | None, where: str,
+                add_image: Callable[[Any], str] | None = None) -> str:
     """`add_image(url)` decodes an input_image part and returns its placeholder text."""
     if content is None or isinstance(content, str):
         return content or ""
-    if not isinstance(content, list):
-        raise bad_request(f"{where}: content must be a string or a list of parts", param="input")
     texts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "input_image" and add_image is not None:
-            texts.append(add_image(part.get("image_url")))
+        if part.type == "input_image" and add_image is not None:
+            texts.append(add_image(part.image_url))
             continue
-        if kind not in _TEXT_PARTS:
-            raise bad_request(f"{where}: content parts of type {kind!r} are not supported by this "
-                              "server (text and input_image only)", param="input")
-        texts.append(str(part.get("text", "")))
+        if part.type not in _TEXT_PARTS:
+            raise bad_request(f"{where}: content parts of type {part.type!r} are not supported by "
+                              "this server (text and input_image only)", param="input")
+        texts.append(part.text or "")
     return "".join(texts)
 
 
-def _call_arguments(raw: Any, where: str) -> dict[str, Any]:
+def _call_arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:
     """A function_call's arguments: a JSON object in a string (the API's form), or the object
     itself (which some clients send)."""
     if isinstance(raw, dict):
         return raw
-    if raw is not None and not isinstance(raw, str):
-        raise bad_request(f"{where}: arguments must be a string of JSON, not "
-                          f"{type(raw).__name__}", param="input")
     try:
         arguments = json.loads(raw or "{}")
     except json.JSONDecodeError as exc:
@@ -88,24 +92,20 @@ def neutral_messages(body: ResponsesRequest,
         return out
     pending_reasoning = ""
     for position, item in enumerate(body.input):
-        kind = item.get("type", "message")
         where = f"input[{position}]"
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"{where}: unknown role {role!r}", param="input")
-            message: Message = {"role": role,
-                                "content": _parts_text(item.get("content"), where, add_image)}
-            if role == "assistant" and pending_reasoning:
+        if isinstance(item, ResponsesMessageItem):
+            message: Message = {"role": item.role,
+                                "content": _parts_text(item.content, where, add_image)}
+            if item.role == "assistant" and pending_reasoning:
                 message["reasoning_content"], pending_reasoning = pending_reasoning, ""
             out.append(message)
-        elif kind in ("function_call", "custom_tool_call"):
-            if kind == "function_call":
-                arguments = _call_arguments(item.get("arguments"), where)
+        elif isinstance(item, (ResponsesFunctionCallItem, ResponsesCustomToolCallItem)):
+            if isinstance(item, ResponsesFunctionCallItem):
+                arguments = _call_arguments(item.arguments, where)
             else:
-                arguments = {"input": item.get("input", "")}
-            call = {"id": item.get("call_id") or _new_id("call"), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": arguments}}
+                arguments = {"input": item.input}
+            call = {"id": item.call_id or _new_id("call"), "type": "function",
+                    "function": {"name": item.name, "arguments": arguments}}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             elif out and out[-1]["role"] == "assistant":
@@ -115,16 +115,11 @@ def neutral_messages(body: ResponsesRequest,
                 if pending_reasoning:
                     message["reasoning_content"], pending_reasoning = pending_reasoning, ""
                 out.append(message)
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = item.get("output")
-            text = output if isinstance(output, str) else _parts_text(output, where)
-            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
-        elif kind == "reasoning":
-            texts = [_parts_text(item.get("content"), where)]
-            pending_reasoning += "".join(texts)
-        else:
-            raise bad_request(f"{where}: input items of type {kind!r} are not supported",
-                              param="input")
+        elif isinstance(item, ResponsesToolOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _parts_text(item.output, where)})
+        else:  # reasoning
+            pending_reasoning += _parts_text(item.content, where)
     return out
 
 
@@ -133,18 +128,25 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]]:
     here and are left out."""
     tools = []
     for tool in body.tools or []:
-        if tool.get("type") == "function" and tool.get("name"):
+        if tool.type == "function" and tool.name:
             tools.append({"type": "function", "function": {
-                "name": tool["name"], "description": tool.get("description") or "",
-                "parameters": tool.get("parameters") or {"type": "object"}}})
+                "name": tool.name, "description": tool.description or "",
+                "parameters": tool.parameters or {"type": "object"}}})
     return tools
 
 
 def _tool_choice(body: ResponsesRequest) -> str | None:
     choice = body.tool_choice
-    if isinstance(choice, dict):
-        return choice.get("name")
+    if isinstance(choice, ResponsesNamedToolChoice):
+        return choice.name
     return choice
+
+
+def _dumped(value: Any) -> Any:
+    """Echo a request field back as the client sent it (its own keys, nothing added)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    return value
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -249,7 +251,7 @@ async def responses(request: Request) -> Any:
         raise bad_request("input must not be empty", param="input")
     tools = _tools(body)
     choice = _tool_choice(body)
-    effort = (body.reasoning or {}).get("effort")
+    effort = body.reasoning.effort if body.reasoning is not None else None
     template_kwargs = {"enable_thinking": False} if effort == "none" else None
     prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
                                       template_kwargs=template_kwargs)
@@ -271,8 +273,9 @@ async def responses(request: Request) -> Any:
         "max_output_tokens": body.max_output_tokens, "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "temperature": params.temperature, "top_p": params.top_p,
-        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
-        "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
+        "tool_choice": _dumped(body.tool_choice) or "auto",
+        "tools": [_dumped(tool) for tool in body.tools or []],
+        "text": body.text or {"format": {"type": "text"}}, "reasoning": _dumped(body.reasoning),
         "metadata": body.metadata or {}, "usage": None,
     }
     if body.stream:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Lenient(BaseModel):
@@ -91,12 +91,12 @@ class SamplingFields(_Lenient):
     # OpenAI's own range: past +-100 a bias only bans or forces a token.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=1)  # one choice a request
     user: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -109,7 +109,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
+    # One prompt: text, or token ids (a list of several prompts is refused).
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(
+        min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)  # the legacy API's own default
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -118,18 +120,95 @@ class CompletionRequest(SamplingFields):
 # ---------------------------------------------------------------- OpenAI Responses
 
 
+class ResponsesPart(_Lenient):
+    """A content part: input_text / output_text / summary_text / reasoning_text, or
+    input_image (image_url: a data: URL, or http(s) where the server allows it)."""
+
+    type: str
+    text: str | None = None
+    image_url: str | None = None
+
+
+class ResponsesMessageItem(_Lenient):
+    type: Literal["message"] = "message"  # clients' "easy input messages" carry no type
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesPart]
+
+
+class ResponsesFunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str | None = None
+    name: str
+    # A JSON object in a string, as the API sends it; some clients send the object itself.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ResponsesCustomToolCallItem(_Lenient):
+    type: Literal["custom_tool_call"]
+    call_id: str | None = None
+    name: str
+    input: str = ""
+
+
+class ResponsesToolOutputItem(_Lenient):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str = ""
+    output: str | list[ResponsesPart]
+
+
+class ResponsesReasoningItem(_Lenient):
+    type: Literal["reasoning"]
+    content: list[ResponsesPart] | None = None
+    summary: list[ResponsesPart] | None = None
+
+
+def _item_type(item: Any) -> str | None:
+    if isinstance(item, dict):
+        kind = item.get("type", "message")
+        return "tool_output" if kind in ("function_call_output", "custom_tool_call_output") \
+            else kind
+    return getattr(item, "type", None)
+
+
+# Chosen by `type`, so a bad item's errors name only what its own type needs.
+ResponsesItem = Annotated[
+    Annotated[ResponsesMessageItem, Tag("message")]
+    | Annotated[ResponsesFunctionCallItem, Tag("function_call")]
+    | Annotated[ResponsesCustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[ResponsesToolOutputItem, Tag("tool_output")]
+    | Annotated[ResponsesReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type)]
+
+
+class ResponsesTool(_Lenient):
+    type: str  # "function" runs here; hosted tools (web_search, ...) are accepted and left out
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ResponsesNamedToolChoice(_Lenient):
+    type: str = "function"
+    name: str | None = None
+
+
+class ResponsesReasoningConfig(_Lenient):
+    effort: str | None = None  # "none" turns the template's thinking off
+    summary: str | None = None
+
+
 class ResponsesRequest(_Lenient):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[ResponsesItem]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoningConfig | None = None
     previous_response_id: str | None = None
     store: bool | None = None
     text: dict[str, Any] | None = None
@@ -184,7 +263,7 @@ class AnthropicToolChoice(_Lenient):
 
 class CountTokensRequest(_Lenient):
     model: str | None = None
-    messages: list[AnthropicMessage]
+    messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
