@@ -35,6 +35,29 @@ def test_flags_fill_the_config(tmp_path):
         .engine.cache.enabled
 
 
+def test_tenant_and_limit_flags_fill_the_config(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-1 one\n")
+    config = server_config(build_parser().parse_args([
+        "serve", "--api-key-file", str(keys), "--shared-cache", "--cors-origin", "https://a.b",
+        "--cors-origin", "https://c.d", "--max-prompt-tokens", "9000", "--max-images", "2",
+        "--max-tokens", "512", "--body-timeout", "5"]))
+    assert (config.api_key_file, config.shared_cache) == (keys, True)
+    assert config.cors_origins == ["https://a.b", "https://c.d"]
+    assert (config.max_prompt_tokens, config.max_images, config.max_tokens) == (9000, 2, 512)
+    assert config.body_idle_seconds == 5
+
+
+def test_bad_settings_stop_serve_before_loading_a_model(tmp_path, capsys):
+    from rewind.commands.serve import run
+
+    for argv, problem in ((["--api-key-file", str(tmp_path / "none")], "cannot read"),
+                          (["--max-tokens", "0"], "max tokens"),
+                          (["--port", "70000"], "not a TCP port")):
+        assert run(build_parser().parse_args(["serve", *argv])) == 2
+        assert problem in capsys.readouterr().err
+
+
 @pytest.mark.slow  # a fresh interpreter imports mlx, mlx-lm and transformers
 def test_rewind_serve_answers_and_shuts_down(tiny_model_path, tmp_path):
     with socket.socket() as probe:

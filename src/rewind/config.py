@@ -64,6 +64,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 1234
     api_key: str | None = None
+    # One key per line, optionally named: each key is a tenant with a cache of its own.
+    api_key_file: Path | None = None
+    shared_cache: bool = False  # all keys share one prompt cache (a single user's keys)
+    cors_origins: list[str] = field(default_factory=list)  # none: no CORS headers at all
+    max_prompt_tokens: int | None = None  # None: the model's context is the only bound
+    max_images: int = 8  # images in one request
     max_body_bytes: int = 32 << 20
     # A body that sends nothing for this long is abandoned with a 408 (uvicorn itself never
     # times a body out, so a stalled upload would hold its connection forever).
@@ -73,3 +79,20 @@ class ServerConfig:
     max_tokens: int = 4096
     cpu_weights: str = "exact"  # rewind.models.loader.CPU_WEIGHTS
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range."""
+        checks = [
+            (0 <= self.port <= 65535, f"port {self.port} is not a TCP port"),
+            (self.max_body_bytes >= 1024, "the body limit must be at least 1KiB"),
+            (self.body_idle_seconds > 0, "the body timeout must be positive"),
+            (self.max_tokens >= 1, "max tokens must be at least 1"),
+            (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+             "max prompt tokens must be at least 1"),
+            (self.max_images >= 0, "max images must not be negative"),
+            (self.engine.parallel >= 1, "parallel must be at least 1"),
+            (self.engine.max_queue >= 0, "max queue must not be negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -25,6 +25,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="requests waiting for a slot before 429 (default: %(default)s)")
     parser.add_argument("--api-key", default=None,
                         help="require this key (Authorization: Bearer or x-api-key) on /v1")
+    parser.add_argument("--api-key-file", default=None, type=Path, metavar="FILE",
+                        help="accept the keys in FILE, one per line with an optional name "
+                        "(`KEY NAME`); each key gets a prompt cache of its own")
+    parser.add_argument("--shared-cache", action="store_true",
+                        help="let all API keys share one prompt cache (one user's keys)")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="allow browser requests from ORIGIN (repeatable; default: none)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                        help="refuse prompts longer than N tokens (default: the model's "
+                        "context)")
+    parser.add_argument("--max-images", type=int, default=8, metavar="N",
+                        help="images one request may carry (default: %(default)s)")
+    parser.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="408 for a request body idle this long (default: %(default)s)")
     parser.add_argument("--no-prompt-cache", action="store_true",
                         help="recompute every prompt from scratch")
     parser.add_argument("--cache-ram", default=None, metavar="SIZE",
@@ -60,11 +74,22 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cache.disk_bytes = parse_size(args.cache_disk)
     engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
                           max_kv_size=args.max_kv_size, cache=cache)
-    return ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                        max_body_bytes=parse_size(args.max_body),
-                        allow_image_urls=args.allow_image_urls, max_tokens=args.max_tokens,
-                        cpu_weights=args.cpu_weights,
-                        engine=engine)
+    config = ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                          api_key_file=args.api_key_file, shared_cache=args.shared_cache,
+                          cors_origins=list(args.cors_origin),
+                          max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
+                          body_idle_seconds=args.body_timeout,
+                          max_body_bytes=parse_size(args.max_body),
+                          allow_image_urls=args.allow_image_urls, max_tokens=args.max_tokens,
+                          cpu_weights=args.cpu_weights, engine=engine)
+    config.validate()
+    from rewind.server.auth import key_ring
+
+    try:
+        key_ring(config)  # a bad key file stops here, before minutes of model loading
+    except OSError as exc:
+        raise ValueError(f"cannot read --api-key-file: {exc}") from exc
+    return config
 
 
 def build_prompt_cache(loaded, config: CacheConfig):  # type: ignore[no-untyped-def]
@@ -84,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s "
                         "%(name)s: %(message)s")
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.api_key
+                                                                    or config.api_key_file):
         logging.warning("serving on %s without --api-key: anyone who can reach it can use it",
                         config.host)
 

@@ -207,7 +207,8 @@ async def messages(request: Request) -> Any:
                               id_prefix="toolu_")
     if messages_[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages_[-1]["content"])
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
+                            salt=runtime.cache_salt(request))
     generation = Generation(runtime, "messages", request, handle, splitter)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id

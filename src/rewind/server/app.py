@@ -7,12 +7,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rewind.config import ServerConfig
 from rewind.server import anthropic_api, openai_api, responses_api
-from rewind.server.auth import ApiKeyMiddleware
+from rewind.server.auth import ApiKeyMiddleware, key_ring
 from rewind.server.errors import ApiError, error_response, flavor_for_path, validation_message
 from rewind.server.error_shield import ErrorShield
 from rewind.server.openapi import describe_bodies
@@ -34,7 +35,11 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
-    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ApiKeyMiddleware, keys=key_ring(config))
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=["Retry-After"])
     # Outermost: a bug in a handler becomes a 500 in the API's shape on a connection that stays
     # usable (Starlette's own last-resort handler answers and then re-raises, so uvicorn drops
     # the keep-alive connection under the client's next request).

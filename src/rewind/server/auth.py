@@ -1,13 +1,81 @@
-"""API-key check for every /v1 route: `Authorization: Bearer KEY` (OpenAI clients) or
-`x-api-key: KEY` (Anthropic clients). /health and /metrics stay open for probes and scrapers."""
+"""API keys for every /v1 route: `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`
+(Anthropic clients). /health and /metrics stay open for probes and scrapers.
+
+Each key is a tenant: its requests carry a cache salt of their own, so a prefix one tenant cached
+is never a hit for another (hit timing alone would tell one user what another sent). A server for
+a single user can share the cache among its keys instead.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from dataclasses import dataclass
+from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rewind.config import ServerConfig
 from rewind.server.errors import ApiError, error_response, flavor_for_path
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    secret: str
+    name: str
+
+
+class KeyRing:
+    """The keys a server accepts, and the cache salt of each."""
+
+    def __init__(self, keys: list[ApiKey], shared_cache: bool = False) -> None:
+        secrets = [key.secret for key in keys]
+        if len(set(secrets)) != len(secrets):
+            raise ValueError("the same API key is listed twice")
+        self.keys = keys
+        self.shared_cache = shared_cache
+
+    @classmethod
+    def from_file(cls, path: Path, shared_cache: bool = False) -> "KeyRing":
+        """One key per line, optionally followed by a name (`sk-... alice`); # starts a comment."""
+        keys = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) > 2:
+                raise ValueError(f"{path}:{number}: expected `KEY [NAME]`, got {len(words)} words")
+            keys.append(ApiKey(words[0], words[1] if len(words) == 2 else f"key-{number}"))
+        if not keys:
+            raise ValueError(f"{path} lists no API key")
+        return cls(keys, shared_cache)
+
+    def match(self, presented: str | None) -> ApiKey | None:
+        """The key presented, compared with every key in constant time (no early exit, so the
+        time taken tells nothing about which key or how much of one matched)."""
+        if presented is None:
+            return None
+        found = None
+        candidate = presented.encode()
+        for key in self.keys:
+            if hmac.compare_digest(candidate, key.secret.encode()):
+                found = key
+        return found
+
+    def cache_salt(self, key: ApiKey) -> str:
+        if self.shared_cache:
+            return ""
+        return hashlib.sha256(b"rewind-tenant\x00" + key.secret.encode()).hexdigest()
+
+
+def key_ring(config: ServerConfig) -> KeyRing | None:
+    """The keys of --api-key and --api-key-file; None when neither is set (an open server)."""
+    keys = []
+    if config.api_key:
+        keys.append(ApiKey(config.api_key, "api-key"))
+    if config.api_key_file is not None:
+        keys.extend(KeyRing.from_file(Path(config.api_key_file)).keys)
+    return KeyRing(keys, config.shared_cache) if keys else None
 
 
 def presented_key(headers: dict[str, str]) -> str | None:
@@ -18,23 +86,28 @@ def presented_key(headers: dict[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
-def key_matches(presented: str | None, expected: str) -> bool:
-    return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
+def request_cache_salt(scope: Scope) -> str:
+    """The tenant's cache salt the middleware put in the request's state ("" without keys)."""
+    return str(scope.get("state", {}).get("cache_salt", ""))
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing | None) -> None:
         self.app = app
-        self.api_key = api_key
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.api_key or not path.startswith("/v1"):
+        if scope["type"] != "http" or self.keys is None or not path.startswith("/v1"):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         presented = presented_key(headers)
-        if key_matches(presented, self.api_key):
+        key = self.keys.match(presented)
+        if key is not None:
+            state = scope.setdefault("state", {})
+            state["tenant"] = key.name
+            state["cache_salt"] = self.keys.cache_salt(key)
             await self.app(scope, receive, send)
             return
         message = "missing API key" if presented is None else "invalid API key"

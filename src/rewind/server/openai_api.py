@@ -194,7 +194,8 @@ async def chat_completions(request: Request) -> Any:
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
     if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages[-1]["content"])
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
+                            salt=runtime.cache_salt(request, body.cache_salt))
     generation = Generation(runtime, "chat", request, handle, splitter, keep_tokens=body.logprobs)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id
@@ -289,7 +290,8 @@ async def completions(request: Request) -> Any:
     params = sampling_params(body, max_tokens, logprobs=body.logprobs is not None,
                              top_logprobs=body.logprobs or 0, runtime=runtime)
     plain = OutputSplitter(OutputFormat(think_start=None, think_end=None), parse_tools=False)
-    handle = runtime.submit(tokens, params, [len(tokens)])
+    handle = runtime.submit(tokens, params, [len(tokens)],
+                            salt=runtime.cache_salt(request, body.cache_salt))
     generation = Generation(runtime, "completions", request, handle, plain,
                             keep_tokens=body.logprobs is not None)
     completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"

@@ -264,7 +264,8 @@ async def responses(request: Request) -> Any:
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
     if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages[-1]["content"])
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt)
+    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
+                            salt=runtime.cache_salt(request))
     generation = Generation(runtime, "responses", request, handle, splitter)
     response = {
         "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),

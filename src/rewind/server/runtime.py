@@ -8,6 +8,9 @@ import logging
 import time
 from typing import Any
 
+from fastapi import Request
+
+from rewind.cache.blocks import BlockExtras
 from rewind.config import ServerConfig
 from rewind.engine import (
     EngineStoppedError,
@@ -17,6 +20,7 @@ from rewind.engine import (
     RequestHandle,
     SamplingParams,
 )
+from rewind.server.auth import request_cache_salt
 from rewind.server.chat_format import ChatFormatter, ChatPrompt
 from rewind.server.errors import ApiError, bad_request
 from rewind.server.metrics import ServerMetrics
@@ -63,7 +67,8 @@ class ServerRuntime:
         self.model_id = str(loaded.name)
         self.created = int(time.time())
         self.vision, self.vision_unavailable = _vision_adapter(loaded)
-        self.image_limits = ImageLimits(allow_urls=config.allow_image_urls)
+        self.image_limits = ImageLimits(allow_urls=config.allow_image_urls,
+                                        max_images=config.max_images)
         self.metrics = ServerMetrics(engine.stats,
                                      prompt_cache.stats if prompt_cache is not None else None)
         if hasattr(engine, "add_sample_listener"):
@@ -80,6 +85,20 @@ class ServerRuntime:
             return
         raise ApiError(404, "not_found", f"model {name!r} is not served here; this server serves "
                        f"{self.model_id!r}", param="model", code="model_not_found")
+
+    def check_prompt_length(self, prompt_tokens: int) -> None:
+        limit = self.config.max_prompt_tokens
+        if limit is not None and prompt_tokens > limit:
+            raise bad_request(f"the prompt has {prompt_tokens} tokens; this server takes at most "
+                              f"{limit} (--max-prompt-tokens)", param="messages",
+                              code="prompt_too_long")
+
+    @staticmethod
+    def cache_salt(request: Request, client_salt: str | None = None) -> str:
+        """The tenant's salt (from its API key), and the client's own `cache_salt` (vLLM's
+        field) on top: either keeps these cached prefixes from everyone else's."""
+        tenant = request_cache_salt(request.scope)
+        return f"{tenant}\x00{client_salt}" if client_salt else tenant
 
     def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
         """How many tokens a request may generate: what it asks for (the server's --max-tokens
@@ -149,11 +168,17 @@ class ServerRuntime:
                                    checkpoints=image_prompt.checkpoints, image_prompt=image_prompt)
 
     def submit(self, tokens: list[int], params: SamplingParams,
-               checkpoints: list[int] | None = None, image_prompt: Any = None) -> RequestHandle:
+               checkpoints: list[int] | None = None, image_prompt: Any = None,
+               salt: str = "") -> RequestHandle:
+        """Queue a generation; `salt` keeps its cached prefixes apart from other tenants'."""
+        self.check_prompt_length(len(tokens))
         request = GenerationRequest(prompt_tokens=tokens, params=params,
                                     checkpoints=sorted(set(checkpoints or [])))
         if image_prompt is not None:
             image_prompt.into(request)
+        if salt:
+            extras = request.extras or BlockExtras()
+            request.extras = dataclasses.replace(extras, salt=salt)
         try:
             return self.engine.submit(request)
         except QueueFullError as exc:

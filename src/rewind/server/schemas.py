@@ -93,6 +93,8 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice a request
     user: str | None = None
+    # vLLM's field: prefixes cached under one salt are never a hit under another.
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
