@@ -83,9 +83,10 @@ def anthropic_error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 
 @contextmanager
-def tiny_live_server(folder: Path, scratch: Path, **server_config: Any) -> Iterator[Live]:
+def tiny_live_server(folder: Path, scratch: Path, cache: dict[str, Any] | None = None,
+                     **server_config: Any) -> Iterator[Live]:
     """The real engine and prompt cache (RAM + a 64 MiB disk tier) on a tiny model folder, served
-    on loopback; `server_config` sets ServerConfig fields."""
+    on loopback; `cache` sets CacheConfig fields, `server_config` ServerConfig fields."""
     from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig, ServerConfig
     from rewind.engine import Engine
@@ -93,7 +94,7 @@ def tiny_live_server(folder: Path, scratch: Path, **server_config: Any) -> Itera
     from rewind.server.app import create_app
 
     loaded = load_model(str(folder))
-    cache_config = CacheConfig(cache_dir=scratch, disk_bytes=64 << 20)
+    cache_config = CacheConfig(**{"cache_dir": scratch, "disk_bytes": 64 << 20, **(cache or {})})
     prompt_cache = PromptCache(loaded.model, loaded.fingerprint, cache_config)
     engine = Engine(loaded, EngineConfig(parallel=4, max_queue=64, cache=cache_config),
                     prompt_cache).start()

@@ -6,8 +6,12 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rewind.paths import scratch_dir
+
+if TYPE_CHECKING:
+    from rewind.cache.file_io import DiskFaults
 
 BLOCK_TOKENS = 256  # checkpoint / prefill-chunk granularity, in tokens
 
@@ -46,6 +50,8 @@ class CacheConfig:
     cache_dir: Path | None = None  # None: paths.scratch_dir()
     writer_queue: int = 64  # records waiting for the disk; the engine blocks only past this
     salt: str = ""  # per-tenant cache salt folded into every block key
+    # Tests only: faults injected under the disk tier's file I/O (rewind.cache.file_io).
+    disk_faults: DiskFaults | None = None
 
 
 @dataclass

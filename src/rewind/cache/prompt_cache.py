@@ -69,6 +69,7 @@ def _open_store(config: CacheConfig) -> Any | None:
     if not config.disk_enabled:
         return None
     try:
+        from rewind.cache.file_io import file_io
         from rewind.cache.store import ScratchStore
     except ImportError:  # the disk tier is not built in this checkout
         log.warning("disk tier unavailable: rewind.cache.store is missing")
@@ -76,7 +77,8 @@ def _open_store(config: CacheConfig) -> Any | None:
     folder = Path(config.cache_dir) if config.cache_dir else scratch_dir()
     try:
         budget = config.disk_bytes if config.disk_bytes is not None else default_disk_budget(folder)
-        store = ScratchStore(folder, budget, queue_size=config.writer_queue)
+        store = ScratchStore(folder, budget, queue_size=config.writer_queue,
+                             io=file_io(config.disk_faults))
     except Exception as error:  # noqa: BLE001 - a broken disk tier costs recompute, not a crash
         log.warning("disk tier disabled: %s", error)
         return None

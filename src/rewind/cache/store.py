@@ -30,6 +30,7 @@ from typing import Hashable
 import mlx.core as mx
 import xxhash
 
+from rewind.cache.file_io import FileIO
 from rewind.cache.lru import ChainLRU
 from rewind.cache.serialize import (
     EncodedLayout,
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 # then stops growing and later records make room by evicting, until this many seconds pass.
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FULL_RETRY_SECONDS = 60.0
+# A failing disk fails every record: one log line per kind of fault this often, the rest counted.
+_FAULT_LOG_SECONDS = 600.0
 
 
 class FreeList:
@@ -167,8 +170,11 @@ class ScratchStore:
         *,
         queue_bytes: int = 256 << 20,
         use_o_tmpfile: bool = True,
+        io: FileIO | None = None,
     ) -> None:
         self.folder = Path(folder)
+        self._io = io or FileIO()
+        self._fault_logged: dict[str, float] = {}  # kind -> when it was last logged
         self.budget_bytes = budget_bytes
         self.enabled = False
         self.disabled_reason: str | None = None
@@ -281,22 +287,28 @@ class ScratchStore:
             try:
                 blob = self._pread_exact(slot.offset, slot.length)
             except OSError as error:
-                self._counts["read_errors"] += 1
                 self._counts["misses"] += 1
-                self.last_error = f"read {slot.length} bytes at {slot.offset}: {error}"
+                self._fault("read_errors", f"read {slot.length} bytes at {slot.offset}: {error}")
                 self._drop_subtree(key)
                 return None
         if xxhash.xxh3_128_intdigest(blob) == slot.checksum:
             try:
                 record = decode_record(blob)
             except RecordFormatError as error:
-                log.warning("record passed its checksum but does not decode: %s", error)
+                with self._lock:
+                    self._fault("corrupt", f"a record passed its checksum but does not decode: "
+                                f"{error}")
+                    self._counts["misses"] += 1
+                    if self._slots.get(key) == slot:
+                        self._drop_subtree(key)
+                return None
             else:
                 with self._lock:
                     self._counts["hits"] += 1
                 return record
         with self._lock:
-            self._counts["corrupt"] += 1
+            self._fault("corrupt", f"the record at {slot.offset} ({slot.length} bytes) fails "
+                        "its checksum")
             self._counts["misses"] += 1
             if self._slots.get(key) == slot:
                 self._drop_subtree(key)
@@ -430,10 +442,14 @@ class ScratchStore:
                 if error.errno in _FULL_ERRNOS:
                     # Keep the file where the device stopped it; newer records now evict
                     # older ones, as with a smaller budget, instead of failing one by one.
-                    self._counts["disk_full"] += 1
+                    self._fault("disk_full", f"the device holds no more ({error}); the file "
+                                f"stays at {self._free.end} bytes for now")
                     self._file_limit = min(self._file_limit, self._free.end)
                     self._file_limit_until = time.monotonic() + _FULL_RETRY_SECONDS
-                self._fail(key, pending, f"write {size} bytes at {offset}: {error}")
+                    self._counts["write_errors"] += 1  # counted, logged once above
+                    self._drop_pending_subtree(key, pending)
+                else:
+                    self._fail(key, pending, f"write {size} bytes at {offset}: {error}")
             return
         with self._lock:
             # The same key may have been evicted and put again while these bytes went out:
@@ -483,30 +499,46 @@ class ScratchStore:
             self._forget(node)
         return dropped
 
-    def _fail(self, key: Key, pending: _Pending, message: str) -> None:
-        self._counts["write_errors"] += 1
+    def _fault(self, kind: str, message: str) -> None:
+        """Count a fault of `kind` (a key of _counts) and log it, once per kind every
+        _FAULT_LOG_SECONDS: a failing disk fails every record, and the log is not the place to
+        count them (/metrics is)."""
+        self._counts[kind] += 1
         self.last_error = message
-        log.warning("disk cache write failed (record dropped): %s", message)
+        now = time.monotonic()
+        last = self._fault_logged.get(kind)
+        if last is None or now - last >= _FAULT_LOG_SECONDS:
+            self._fault_logged[kind] = now
+            log.warning("prompt cache disk tier: %s (answers are unaffected: those records are "
+                        "recomputed; %d fault(s) of this kind so far, all counted in /metrics "
+                        "as rewind_prompt_cache_disk_faults_total{kind=%r})",
+                        message, self._counts[kind], kind)
+
+    def _fail(self, key: Key, pending: _Pending, message: str) -> None:
+        self._fault("write_errors", message)
+        self._drop_pending_subtree(key, pending)
+
+    def _drop_pending_subtree(self, key: Key, pending: _Pending) -> None:
         if self._pending.get(key) is pending:  # not a newer put of the same key
             self._drop_subtree(key)
 
     def _release(self, offset: int, length: int) -> None:
         if self._free.release(offset, length) and self._fd >= 0:
             try:
-                os.ftruncate(self._fd, self._free.end)
+                self._io.ftruncate(self._fd, self._free.end)
             except OSError as error:  # the space stays allocated; the index is still right
                 self.last_error = f"truncate to {self._free.end}: {error}"
 
     def _pread_exact(self, offset: int, length: int) -> bytes:
         # One pread gives the whole range from a regular file (no zero-filled buffer to copy
         # into); a short read means the file is shorter than the index says.
-        blob = os.pread(self._fd, length, offset)
+        blob = self._io.pread(self._fd, length, offset)
         if len(blob) == length:
             return blob
         parts = [blob]
         done = len(blob)
         while done < length:
-            part = os.pread(self._fd, length - done, offset + done)
+            part = self._io.pread(self._fd, length - done, offset + done)
             if not part:
                 raise OSError(errno.EIO, f"short read: {done} of {length} bytes")
             parts.append(part)
@@ -518,7 +550,7 @@ class ScratchStore:
         for buffer in buffers:
             done = 0
             while done < len(buffer):
-                count = os.pwrite(self._fd, buffer[done:], position)
+                count = self._io.pwrite(self._fd, buffer[done:], position)
                 if count <= 0:
                     raise OSError(errno.EIO, f"pwrite wrote {count} bytes")
                 done += count

@@ -10,11 +10,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rewind.engine import Usage
 
+# The disk tier's fault counters (rewind.cache.store.ScratchStore.stats).
+DISK_FAULT_KINDS = ("write_errors", "read_errors", "corrupt", "disk_full", "no_space")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0)
 
@@ -27,7 +29,7 @@ class _LiveGauges(Collector):
         self._engine_stats = engine_stats
         self._cache_stats = cache_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._engine_stats()
         gauges = {
             "rewind_queue_depth": ("Requests waiting for a slot", stats.get("queued", 0)),
@@ -52,6 +54,16 @@ class _LiveGauges(Collector):
             if value is not None:
                 tier_bytes.add_metric([tier], float(value))
         yield tier_bytes
+        disk = cache.get("disk") if isinstance(cache.get("disk"), dict) else {}
+        yield GaugeMetricFamily("rewind_prompt_cache_disk_enabled",
+                                "1 while the prompt cache's disk tier takes records",
+                                value=float(bool(disk.get("enabled"))))
+        faults = CounterMetricFamily("rewind_prompt_cache_disk_faults",
+                                     "Disk-tier faults by kind; each cost a recompute, never an "
+                                     "answer", labels=["kind"])
+        for kind in DISK_FAULT_KINDS:
+            faults.add_metric([kind], float(disk.get(kind, 0)))
+        yield faults
 
 
 def _first_number(stats: dict[str, Any], *keys: str) -> float | None:
