@@ -1,0 +1,80 @@
+"""kill -9 of `rewind serve` while it streams and while its disk tier writes, then a restart on the
+same cache folder: the client sees a clean connection error (no hang), nothing is left in the
+cache folder, and the new server serves the same answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rewind.bench.harness import ServerProcess, free_port
+
+PROMPT = [(13 * i) % 500 + 3 for i in range(700)]
+
+
+def start(folder: Path, cache_dir: Path, log: Path) -> ServerProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "rewind", "serve", "--model", str(folder), "--port", str(port),
+            "--cache-dir", str(cache_dir), "--cache-ram", "0", "--log-level", "warning"]
+    server = ServerProcess("rewind", argv, port, log, ready_paths=("/health",)).start()
+    server.wait_ready(120)
+    return server
+
+
+def greedy(url: str, prompt: list[int], tokens: int = 6) -> list[str]:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "logprobs": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.mark.slow
+def test_kill_9_while_streaming_and_writing_then_restart(tiny_model_path, tmp_path):
+    folder = tiny_model_path("llama")
+    cache_dir = tmp_path / "cache"
+    server = start(folder, cache_dir, tmp_path / "first.log")
+    url = server.base_url
+    before = greedy(url, PROMPT)
+    endless = {"prompt": PROMPT[:50], "max_tokens": 3000, "stream": True, "temperature": 0,
+               "logit_bias": {str(token): -100 for token in range(0, 4)}}
+    failure: list[BaseException] = []
+
+    def writes() -> None:  # keep the disk writer busy: every block goes to disk (no RAM tier)
+        try:
+            for i in range(200):
+                greedy(url, [(17 * i + k) % 500 + 3 for k in range(600)], 1)
+        except BaseException as error:  # noqa: BLE001 - the kill ends this loop
+            failure.append(error)
+
+    writer = threading.Thread(target=writes, daemon=True)
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=endless) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            writer.start()
+            time.sleep(1.5)  # streaming and writing records at once
+            os.kill(server.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(httpx.TransportError):
+                for _ in lines:
+                    pass
+            assert time.monotonic() - started < 10  # an error at once, not a hang
+    writer.join(30)
+    assert failure and isinstance(failure[0], httpx.TransportError)
+    server.stop()
+    assert list(cache_dir.iterdir()) == []  # the scratch file had no name: nothing to repair
+
+    again = start(folder, cache_dir, tmp_path / "second.log")
+    try:
+        assert greedy(again.base_url, PROMPT) == before
+        assert greedy(again.base_url, PROMPT) == before  # now from its own disk tier
+    finally:
+        again.stop()
+    assert list(cache_dir.iterdir()) == []

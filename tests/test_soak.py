@@ -1,0 +1,33 @@
+"""The soak in CI: 32 streaming clients for two minutes against `rewind serve` on a tiny model,
+in its own process (its RSS is the server's alone). `rewind bench soak` is the 30-minute run."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from rewind.bench.harness import ServerProcess, free_port, tree_rss_bytes
+from rewind.bench.soak import SCENARIOS, soak
+
+
+def test_soak_has_no_errors_no_leaks_and_stays_healthy(tiny_model_path, tmp_path):
+    port = free_port()
+    argv = [sys.executable, "-m", "rewind", "serve", "--model", str(tiny_model_path("llama")),
+            "--port", str(port), "--parallel", "4", "--cache-ram", "8MiB",
+            "--cache-dir", str(tmp_path), "--log-level", "warning"]
+    server = ServerProcess("rewind", argv, port, Path(tmp_path) / "server.log",
+                           ready_paths=("/health",))
+    with server.start():
+        server.wait_ready(120)
+        result = asyncio.run(soak(server.base_url, server.model_id, 120, 32,
+                                  lambda: tree_rss_bytes(server.pid)))
+        log = server.log_tail(40)
+    summary = result.summary()
+    assert result.errors == [], (result.errors[:5], log)
+    assert result.health_failures == [] and result.health_checks >= 100
+    assert result.idle_after == {"running": 0, "queued": 0}
+    assert abs(result.rss_drift) <= 0.10, summary
+    seen = {outcome.scenario for outcome in result.outcomes}
+    assert seen >= set(SCENARIOS) - {"image"}, seen
+    assert summary["requests"] >= 200 and summary["ttft_seconds"]["p99"] is not None
