@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from rewind.server.auth import key_matches, presented_key
+from rewind.server.auth import ApiKey, KeyRing, presented_key
 from rewind.server.chat_format import ChatFormatter
 from rewind.server.errors import ApiError, error_body, validation_message
 from rewind.server.responses_api import _Output
@@ -227,5 +227,6 @@ def test_api_key_from_either_header():
     assert presented_key({"authorization": "Bearer sk-1"}) == "sk-1"
     assert presented_key({"x-api-key": "sk-2"}) == "sk-2"
     assert presented_key({"authorization": "Basic abc"}) is None
-    assert key_matches("sk-1", "sk-1") and not key_matches("sk-1", "sk-2")
-    assert not key_matches(None, "sk-1")
+    ring = KeyRing([ApiKey("sk-1", "one")])
+    assert ring.match("sk-1") is ring.keys[0] and ring.match("sk-2") is None
+    assert ring.match(None) is None

@@ -62,6 +62,10 @@ class RequestHandle:
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
         self.finished = False
+        # Set when the request holds a slot with its cached prefix restored; from then on
+        # `usage.cached_tokens` (the engine's live Usage of this request) is final.
+        self.admitted = threading.Event()
+        self.usage: Usage | None = None
 
     def _deliver(self, event: Event) -> None:
         """Engine thread: hand one event to the caller."""
@@ -253,7 +257,9 @@ class Engine:
             submitted_at=time.perf_counter(),
             usage=Usage(prompt_tokens=len(request.prompt_tokens)),
             cancelled=cancelled,
+            admitted=handle.admitted,
         )
+        handle.usage = sequence.usage
         self._scheduler.enqueue(sequence)
         self._wakeup.set()
         return handle

@@ -51,6 +51,9 @@ class Sequence:
     submitted_at: float
     usage: Usage
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set once it holds a slot and its cached prefix is restored (usage.cached_tokens is final),
+    # or once it finished without: Anthropic's stream reports cache figures in its first event.
+    admitted: threading.Event = field(default_factory=threading.Event)
     cache: list[Any] | None = None  # its own batch-1 cache while prefilling
     prefilled: int = 0  # prompt tokens held by `cache`
     checkpoint_at: set[int] = field(default_factory=set)  # extra checkpoint positions
@@ -173,6 +176,7 @@ class Scheduler:
                 log.exception("request %s failed at admission", seq.request.request_id)
                 self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
                 continue
+            seq.admitted.set()
             self.prefilling.append(seq)
 
     def _start_prefill(self, seq: Sequence) -> None:
@@ -408,6 +412,7 @@ class Scheduler:
         reasons = self.counters.finish_reasons
         reasons[reason] = reasons.get(reason, 0) + 1
         seq.emit(FinishEvent(reason, usage, error, stop_string))
+        seq.admitted.set()
 
     def _notify(self, name: str, value: float) -> None:
         for listener in self.listeners:

@@ -15,6 +15,7 @@ from rewind.engine import SamplingParams, Usage
 from rewind.server.body import parse_body
 from rewind.server.chat_format import ChatPrompt, Message
 from rewind.server.errors import ApiError, bad_request, error_body
+from rewind.server.normalize import is_request_metadata
 from rewind.server.openapi import json_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
@@ -41,9 +42,25 @@ def _block_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def _system_text(system: str | list[AnthropicBlock] | None) -> str:
-    if system is None or isinstance(system, str):
-        return system or ""
-    return "\n\n".join(block.text or "" for block in system if block.type == "text")
+    """The text of system blocks, less the request metadata agents send as blocks."""
+    if system is None:
+        return ""
+    blocks = [AnthropicBlock(type="text", text=system)] if isinstance(system, str) else system
+    return "\n\n".join(block.text or "" for block in blocks
+                       if block.type == "text" and not is_request_metadata(block.text or ""))
+
+
+def _merge_user_turns(messages: list[Message]) -> list[Message]:
+    """Templates want user and assistant turns to alternate: adjacent user texts become one."""
+    merged: list[Message] = []
+    for message in messages:
+        previous = merged[-1] if merged else None
+        if (previous is not None and message["role"] == previous["role"] == "user"
+                and isinstance(previous["content"], str)):
+            merged[-1] = {**previous, "content": previous["content"] + "\n\n" + message["content"]}
+        else:
+            merged.append(message)
+    return merged
 
 
 def _image_source(block: AnthropicBlock) -> dict[str, Any]:
@@ -61,6 +78,18 @@ def neutral_messages(body: CountTokensRequest,
     if system:
         out.append({"role": "system", "content": system})
     for message in body.messages:
+        if message.role == "system":
+            text = _system_text(message.content)
+            if not text:
+                continue
+            if all(m["role"] == "system" for m in out):  # still before the conversation
+                if out:
+                    out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+                else:
+                    out.append({"role": "system", "content": text})
+            else:  # mid-conversation: few templates take a system turn there; a user turn
+                out.append({"role": "user", "content": text})
+            continue
         blocks = ([AnthropicBlock(type="text", text=message.content)]
                   if isinstance(message.content, str) else message.content)
         if message.role == "assistant":
@@ -104,7 +133,7 @@ def neutral_messages(body: CountTokensRequest,
                                   param="messages")
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
-    return out
+    return _merge_user_turns(out)
 
 
 def _tools(body: CountTokensRequest) -> list[dict[str, Any]]:
@@ -125,10 +154,19 @@ def _tool_choice(body: CountTokensRequest) -> str | None:
     return {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
 
 
+# output_config.effort levels that mean "do not think" when `thinking` does not say.
+_NO_THINKING_EFFORTS = ("none", "minimal", "low")
+
+
 def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
-    if body.thinking is None:
+    """The template's reasoning switch: `thinking` (enabled and adaptive turn it on), else
+    output_config.effort (Claude Code's /effort), else the template's default."""
+    if body.thinking is not None:
+        return {"enable_thinking": body.thinking.type != "disabled"}
+    effort = body.output_config.effort if body.output_config is not None else None
+    if effort is None:
         return None
-    return {"enable_thinking": body.thinking.type != "disabled"}
+    return {"enable_thinking": effort.lower() not in _NO_THINKING_EFFORTS}
 
 
 def render(runtime: ServerRuntime, body: CountTokensRequest) -> tuple[list[Message], ChatPrompt]:
@@ -228,11 +266,13 @@ async def messages(request: Request) -> Any:
 
 async def _message_stream(generation: Generation, message_id: str, model: str,
                           prompt_tokens: int) -> AsyncIterator[str]:
+    # Anthropic's API reports input and cache figures in message_start, and clients (Claude
+    # Code) read them there: wait (briefly) for the restore, which comes before any prefill.
+    cached = await generation.cached_tokens_at_admission(KEEPALIVE_SECONDS) or 0
     yield sse_event("message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
-                  "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}})
+        "usage": usage_json(Usage(prompt_tokens=prompt_tokens, cached_tokens=cached))}})
     yield sse_event("ping", {"type": "ping"})
     index = -1
     open_kind: str | None = None  # kind of the open text / thinking block, if any

@@ -241,7 +241,9 @@ class AnthropicBlock(_Lenient):
 
 
 class AnthropicMessage(_Lenient):
-    role: Literal["user", "assistant"]
+    # "system" is no role of Anthropic's API, but Claude Code 2.1 sends its environment block
+    # as one (and retries without it when refused): placed where templates take it.
+    role: Literal["user", "assistant", "system"]
     content: str | list[AnthropicBlock]
 
 
@@ -263,6 +265,12 @@ class AnthropicToolChoice(_Lenient):
     disable_parallel_tool_use: bool | None = None
 
 
+class AnthropicOutputConfig(_Lenient):
+    # low (or none) turns the template's thinking off, medium and above on, when `thinking`
+    # does not say.
+    effort: str | None = None
+
+
 class CountTokensRequest(_Lenient):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -270,6 +278,7 @@ class CountTokensRequest(_Lenient):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+    output_config: AnthropicOutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -279,4 +288,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
+    # Accepted and ignored: user ids mean nothing here, and this server keeps no tool results
+    # to clear (context_management); cache_control on blocks is ignored too, since every
+    # prefix is cached anyway.
     metadata: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None

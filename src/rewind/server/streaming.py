@@ -47,6 +47,17 @@ class Generation:
     def usage(self) -> Usage:
         return self.finish.usage if self.finish is not None else Usage()
 
+    async def cached_tokens_at_admission(self, timeout: float) -> int | None:
+        """Prompt tokens restored from the cache, once the request holds a slot (None if it
+        waits for one longer than `timeout` seconds)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.handle.admitted.is_set():
+            if asyncio.get_running_loop().time() >= deadline:
+                return None
+            await asyncio.sleep(0.01)
+        usage = self.handle.usage
+        return usage.cached_tokens if usage is not None else None
+
     @property
     def saw_tool_call(self) -> bool:
         return self.splitter.saw_tool_call
