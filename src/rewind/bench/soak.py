@@ -98,7 +98,7 @@ class SoakResult:
     def passed(self) -> bool:
         return (not self.errors and not self.health_failures
                 and abs(self.rss_drift) <= RSS_DRIFT_LIMIT
-                and self.idle_after.get("running") == 0 and self.idle_after.get("queued") == 0)
+                and not any(self.idle_after.values()))
 
 
 def tiny_png() -> str:
@@ -221,59 +221,70 @@ def engine_load(url: str) -> dict[str, float]:
     values = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         for name, key in (("rewind_running_sequences ", "running"),
-                          ("rewind_queue_depth ", "queued")):
+                          ("rewind_queue_depth ", "queued"),
+                          ("rewind_prompt_cache_disk_queued_bytes ", "disk_queued_bytes")):
             if line.startswith(name):
                 values[key] = float(line.split()[-1])
     return values
 
 
+async def quiesce(url: str, seconds: float = 60.0) -> dict[str, float]:
+    """Wait (bounded) until no sequence runs or waits and the disk writer has written what it
+    was handed: the state in which two RSS readings can be compared."""
+    load: dict[str, float] = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        load = await asyncio.to_thread(engine_load, url)
+        if not any(load.values()):
+            break
+        await asyncio.sleep(0.5)
+    return load
+
+
 async def soak(url: str, model: str, seconds: float, clients: int, rss: Any,
                images: bool = False) -> SoakResult:
-    """Drive `clients` concurrent clients for `seconds`; `rss()` reads the server's RSS."""
+    """Drive `clients` concurrent clients for `seconds`; `rss()` reads the server's RSS.
+
+    RSS is compared between two idle moments (quiesce()): after a warm-up of a fifth of the run,
+    which fills the RAM tier, and after the run. Mid-run readings include records queued for
+    the disk writer (bounded, up to 256 MiB), which are no leak; they go in the timeline."""
     stop = asyncio.Event()
     health_failures: list[str] = []
     health = asyncio.create_task(_health(url, stop, health_failures))
     outcomes: list[Outcome] = []
-    deadline = time.monotonic() + seconds
-    warm_at = time.monotonic() + seconds / 5
-    rss_warm = 0
+    timeline: list[tuple[float, int]] = []
+    simulated = [Client(i, url, model, images) for i in range(clients)]
+    started = time.monotonic()
 
-    async def user(index: int) -> None:
-        simulated = Client(index, url, model, images)
+    async def user(client: Client, until: float) -> None:
         limits = httpx.Limits(max_connections=1)
         async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
-            while time.monotonic() < deadline:
-                outcome = await simulated.run_one(http)
+            while time.monotonic() < until:
+                outcome = await client.run_one(http)
                 outcomes.append(outcome)
                 if outcome.status == 429:
                     await asyncio.sleep(1.0)
 
-    timeline: list[tuple[float, int]] = []
+    async def sample_rss(until: float) -> None:
+        while time.monotonic() < until:
+            timeline.append((round(time.monotonic() - started, 1), rss()))
+            await asyncio.sleep(min(5.0, max(0.0, until - time.monotonic())))
 
-    async def sample_rss() -> None:
-        nonlocal rss_warm
-        while time.monotonic() < deadline:
-            now = time.monotonic()
-            timeline.append((round(now - started, 1), rss()))
-            if not rss_warm and now >= warm_at:
-                rss_warm = timeline[-1][1]
-            await asyncio.sleep(min(5.0, max(0.0, deadline - now)))
+    async def phase(length: float) -> None:
+        until = time.monotonic() + length
+        await asyncio.gather(sample_rss(until), *(user(c, until) for c in simulated))
 
-    started = time.monotonic()
-    sampler = asyncio.create_task(sample_rss())
-    await asyncio.gather(*(user(i) for i in range(clients)))
+    await phase(seconds / 5)
+    await quiesce(url)
+    rss_warm = rss()
+    await phase(seconds - (time.monotonic() - started))
     elapsed = time.monotonic() - started
-    await sampler
+    idle = await quiesce(url)
+    rss_end = rss()
     stop.set()
     checks = await health
-    idle: dict[str, float] = {}
-    for _ in range(120):  # the last cancelled streams free their slots within a step or two
-        idle = engine_load(url)
-        if idle.get("running") == 0 and idle.get("queued") == 0:
-            break
-        await asyncio.sleep(0.5)
-    return SoakResult(elapsed, clients, outcomes, checks, health_failures, rss_warm, rss(), idle,
-                      timeline)
+    return SoakResult(elapsed, clients, outcomes, checks, health_failures, rss_warm, rss_end,
+                      idle, timeline)
 
 
 # ---------------------------------------------------------------- the bench command
@@ -286,6 +297,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--cache-ram", default="256MiB",
                         help="the server's RAM tier (filled during warm-up)")
+    parser.add_argument("--cache-disk", default="2GiB",
+                        help="the server's disk tier (its index grows with the records it holds, "
+                        "so it too must fill during warm-up for RSS readings to compare)")
     parser.add_argument("--images", action="store_true", help="send images (a vision model)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
 
@@ -300,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         argv = [sys.executable, "-m", "rewind", "serve", "--model", args.model, "--port",
                 str(port), "--parallel", str(args.parallel), "--cache-ram", args.cache_ram,
+                "--cache-disk", args.cache_disk,
                 "--cache-dir", scratch, "--log-level", "warning"]
         server = ServerProcess("rewind", argv, port, Path(scratch) / "server.log",
                                env=openblas_env(), ready_paths=("/health",))
@@ -333,9 +348,11 @@ def run(args: argparse.Namespace) -> int:
     report = Report(workload="soak", command=command_line(),
                     params={"model": args.model, "seconds": args.seconds,
                             "clients": args.clients, "parallel": args.parallel,
-                            "cache_ram": args.cache_ram, "images": args.images},
+                            "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
+                            "images": args.images},
                     servers={"rewind": f"rewind serve --model {args.model} --parallel "
-                                       f"{args.parallel} --cache-ram {args.cache_ram}"},
+                                       f"{args.parallel} --cache-ram {args.cache_ram} "
+                                       f"--cache-disk {args.cache_disk}"},
                     fairness=["one server, no baseline: this is an endurance run"],
                     summary=summary,
                     records=[{"errors": [o.__dict__ for o in result.errors[:50]],

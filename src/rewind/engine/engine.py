@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from rewind.config import EngineConfig
 from rewind.memory import release_free_heap
+from rewind.engine.grammar import GrammarBackend
 from rewind.engine.request import (
     EngineStoppedError,
     Event,
@@ -184,6 +185,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = _eos_token_ids(loaded.tokenizer, loaded.config)
         self.vocab_size = _vocab_size(loaded.model, loaded.tokenizer, loaded.config)
+        self._grammar = GrammarBackend(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._listeners: list[SampleListener] = [self._record_sample]
         self._samples: dict[str, deque[float]] = {}
         self._scheduler = Scheduler(loaded.model, loaded.tokenizer, self.config, prompt_cache,
@@ -252,7 +254,9 @@ class Engine:
         sequence = Sequence(
             request=request,
             emit=handle._deliver,
-            sampler=SequenceSampler(request.params, request.prompt_tokens, self.vocab_size),
+            sampler=SequenceSampler(request.params, request.prompt_tokens, self.vocab_size,
+                                    self._grammar.constraint(request.grammar)
+                                    if request.grammar else None),
             text=TextStream(self.tokenizer, request.params.stop),
             submitted_at=time.perf_counter(),
             usage=Usage(prompt_tokens=len(request.prompt_tokens)),

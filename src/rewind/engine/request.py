@@ -106,6 +106,9 @@ class GenerationRequest:
     # hidden]} for those prompt positions, or None for a chunk with nothing to add; called on
     # the engine thread for each prefill chunk. Decode never uses it.
     layer_residuals: Callable[[int, int], Mapping[int, Any] | None] | None = None
+    # Constrained decoding: an llguidance grammar (rewind.engine.grammar) every generated token
+    # must follow, e.g. LLMatcher.grammar_from_json_schema(schema). None: free text.
+    grammar: str | None = None
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from rewind.engine.grammar import Constraint
 from rewind.engine.request import InvalidRequestError, SamplingParams
 
 
@@ -41,9 +42,11 @@ def _reportable(logprob: float) -> float:
 class SequenceSampler:
     """Sampling state of one sequence: prompt token set, generated-token counts, random key."""
 
-    def __init__(self, params: SamplingParams, prompt_tokens: list[int], vocab_size: int) -> None:
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int], vocab_size: int,
+                 constraint: Constraint | None = None) -> None:
         self.params = params
         self.vocab_size = vocab_size
+        self.constraint = constraint  # a grammar's token mask, applied after the bias
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
             if bad:
@@ -68,7 +71,8 @@ class SequenceSampler:
     def _processes(self) -> bool:
         p = self.params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or bool(p.logit_bias))
+                or p.frequency_penalty != 0.0 or bool(p.logit_bias)
+                or self.constraint is not None)
 
     def accept(self, token: int) -> None:
         """Record a generated token for the penalties."""
@@ -76,6 +80,8 @@ class SequenceSampler:
             self._seen.add(token)
         if self.params.presence_penalty != 0.0 or self.params.frequency_penalty != 0.0:
             self._counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
     def process(self, logits: mx.array) -> mx.array:
         """Penalties and bias on one row of logits [vocab] (float32)."""
@@ -95,6 +101,8 @@ class SequenceSampler:
                 self._bias_ids = mx.array([int(t) for t in p.logit_bias], dtype=mx.int32)
                 self._bias_values = mx.array(list(p.logit_bias.values()), dtype=mx.float32)
             logits[self._bias_ids] = logits[self._bias_ids] + self._bias_values
+        if self.constraint is not None:
+            logits = mx.where(self.constraint.mask(), logits, -math.inf)
         return logits
 
     def draw(self, logits: mx.array) -> mx.array:

@@ -20,6 +20,7 @@ from rewind.server.openapi import json_body
 from rewind.server.runtime import ServerRuntime
 from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
 from rewind.server.streaming import KEEPALIVE_SECONDS, SSE_HEADERS, Generation, sse_event
+from rewind.server.structured import request_grammar
 from rewind.server.tool_parsing import OutputSplitter, Piece, merge_pieces
 
 router = APIRouter()
@@ -245,8 +246,11 @@ async def messages(request: Request) -> Any:
                               id_prefix="toolu_")
     if messages_[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages_[-1]["content"])
+    grammar = request_grammar(runtime.output_format, runtime.added_tokens,
+                              prompt.start_in_reasoning, tools,
+                              _tool_choice(body))
     handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
-                            salt=runtime.cache_salt(request))
+                            salt=runtime.cache_salt(request), grammar=grammar)
     generation = Generation(runtime, "messages", request, handle, splitter)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id

@@ -58,6 +58,9 @@ class _LiveGauges(Collector):
         yield GaugeMetricFamily("rewind_prompt_cache_disk_enabled",
                                 "1 while the prompt cache's disk tier takes records",
                                 value=float(bool(disk.get("enabled"))))
+        yield GaugeMetricFamily("rewind_prompt_cache_disk_queued_bytes",
+                                "Record bytes held in RAM until the disk writer takes them",
+                                value=float(disk.get("queued_bytes", 0)))
         faults = CounterMetricFamily("rewind_prompt_cache_disk_faults",
                                      "Disk-tier faults by kind; each cost a recompute, never an "
                                      "answer", labels=["kind"])

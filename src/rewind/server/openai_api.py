@@ -32,6 +32,7 @@ from rewind.server.streaming import (
     Generation,
     sse_data,
 )
+from rewind.server.structured import request_grammar
 from rewind.server.tool_parsing import OutputFormat, OutputSplitter, Piece, ToolCall, collect
 
 router = APIRouter()
@@ -175,10 +176,6 @@ async def chat_completions(request: Request) -> Any:
     runtime = _runtime(request)
     body = await parse_body(request, ChatCompletionRequest, runtime.config)
     runtime.check_model(body.model)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format {body.response_format.type!r} is not supported: this "
-                          "server has no constrained decoding; ask for JSON in the prompt",
-                          param="response_format")
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     choice = _tool_choice_name(body.tool_choice)
     images = runtime.image_collector()
@@ -194,8 +191,14 @@ async def chat_completions(request: Request) -> Any:
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
     if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages[-1]["content"])
+    response_format = (None if body.response_format is None else
+                       (body.response_format.type, body.response_format.json_schema,
+                        "response_format"))
+    grammar = request_grammar(runtime.output_format, runtime.added_tokens,
+                              prompt.start_in_reasoning, tools, choice,
+                              response_format)
     handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
-                            salt=runtime.cache_salt(request, body.cache_salt))
+                            salt=runtime.cache_salt(request, body.cache_salt), grammar=grammar)
     generation = Generation(runtime, "chat", request, handle, splitter, keep_tokens=body.logprobs)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id

@@ -40,6 +40,7 @@ from rewind.server.streaming import (
     Generation,
     sse_event,
 )
+from rewind.server.structured import request_grammar, responses_text_format
 from rewind.server.tool_parsing import OutputSplitter, Piece
 
 router = APIRouter()
@@ -264,8 +265,11 @@ async def responses(request: Request) -> Any:
                               start_in_reasoning=prompt.start_in_reasoning, tools=tools)
     if messages[-1]["role"] == "assistant":  # a prefill: its text sets the parser's state
         splitter.feed(messages[-1]["content"])
+    grammar = request_grammar(runtime.output_format, runtime.added_tokens,
+                              prompt.start_in_reasoning, tools, choice,
+                              responses_text_format(body.text))
     handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
-                            salt=runtime.cache_salt(request))
+                            salt=runtime.cache_salt(request), grammar=grammar)
     generation = Generation(runtime, "responses", request, handle, splitter)
     response = {
         "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),

@@ -44,6 +44,15 @@ def _vision_adapter(loaded: Any) -> tuple[Any, str | None]:
         return None, f"this server cannot take images for this model: {exc}"
 
 
+def _added_tokens(tokenizer: Any) -> dict[str, int]:
+    """Text of each added (special) token -> its id: tags such as </think> or <tool_call> that
+    a grammar must name as tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    decoder = getattr(hf, "added_tokens_decoder", None) or {}
+    return {str(getattr(token, "content", token)): int(index)
+            for index, token in decoder.items()}
+
+
 def context_length(model_config: dict[str, Any]) -> int | None:
     """The model's trained context, from its config (nested text_config for multimodal ones)."""
     for config in (model_config, model_config.get("text_config") or {}):
@@ -63,6 +72,7 @@ class ServerRuntime:
         self.tokenizer = loaded.tokenizer
         self.output_format = OutputFormat.from_tokenizer(loaded.tokenizer)
         self.formatter = ChatFormatter(loaded.tokenizer, self.output_format)
+        self.added_tokens = _added_tokens(loaded.tokenizer)
         self.context_length = context_length(loaded.config)
         self.model_id = str(loaded.name)
         self.created = int(time.time())
@@ -169,11 +179,12 @@ class ServerRuntime:
 
     def submit(self, tokens: list[int], params: SamplingParams,
                checkpoints: list[int] | None = None, image_prompt: Any = None,
-               salt: str = "") -> RequestHandle:
-        """Queue a generation; `salt` keeps its cached prefixes apart from other tenants'."""
+               salt: str = "", grammar: str | None = None) -> RequestHandle:
+        """Queue a generation; `salt` keeps its cached prefixes apart from other tenants';
+        `grammar` constrains its answer (rewind.server.structured)."""
         self.check_prompt_length(len(tokens))
         request = GenerationRequest(prompt_tokens=tokens, params=params,
-                                    checkpoints=sorted(set(checkpoints or [])))
+                                    checkpoints=sorted(set(checkpoints or [])), grammar=grammar)
         if image_prompt is not None:
             image_prompt.into(request)
         if salt:

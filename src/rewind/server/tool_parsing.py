@@ -78,6 +78,11 @@ class OutputFormat:
         return cls(think_start, think_end, native_tools=native)
 
 
+def json_tool_format(fmt: OutputFormat) -> bool:
+    """Tool calls written as one JSON object between the tags (Hermes / Qwen / our prompt)."""
+    return fmt.parse_body is _json_tool_parser
+
+
 def parse_tool_calls(body: str, fmt: OutputFormat, tools: list[dict[str, Any]] | None,
                      id_prefix: str = "call_") -> list[ToolCall]:
     """The tool call(s) written between a start and an end tag; ValueError when unreadable."""
