@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
-from live_server import serve_on_free_port
+from live_server import Live, start_server
 
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
-import anthropic  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from rewind.cache.prompt_cache import PromptCache  # noqa: E402
@@ -33,30 +28,6 @@ from rewind.testing.tiny_vision import IMAGE_TOKENS, build_tiny_vision_model  # 
 from rewind.vision.images import MAX_IMAGES_PER_REQUEST  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "max_tokens": 4}
-
-
-@dataclass
-class Live:
-    url: str
-    model: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=60,
-                             max_retries=0)
-
-    def anthropic(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key="unused", timeout=60, max_retries=0)
-
-
-def start_server(app: Any, loaded: Any) -> Live:
-    url, server, thread = serve_on_free_port(app)
-    return Live(url, str(loaded.name), server, thread)
 
 
 def png_base64(seed: int, size: tuple[int, int] = (64, 48)) -> str:
@@ -81,7 +52,8 @@ def live(tmp_path_factory) -> Iterator[Live]:
     prompt_cache = PromptCache(loaded.model, loaded.fingerprint, CacheConfig(
         cache_dir=tmp_path_factory.mktemp("scratch"), disk_bytes=64 << 20))
     engine = Engine(loaded, EngineConfig(parallel=2), prompt_cache).start()
-    server = start_server(create_app(loaded, engine, ServerConfig(), prompt_cache), loaded)
+    server = start_server(create_app(loaded, engine, ServerConfig(), prompt_cache), engine,
+                          loaded)
     yield server
     server.stop()
     engine.shutdown()
@@ -178,7 +150,7 @@ def test_bad_anthropic_image_is_a_400_in_anthropic_shape(live: Live):
 def test_images_on_a_text_model_are_refused(tiny_model_path, tmp_path):
     loaded = load_model(str(tiny_model_path("llama")))
     engine = Engine(loaded, EngineConfig(parallel=1)).start()
-    server = start_server(create_app(loaded, engine, ServerConfig()), loaded)
+    server = start_server(create_app(loaded, engine, ServerConfig()), engine, loaded)
     try:
         with pytest.raises(openai.BadRequestError, match="does not accept images"):
             server.openai().chat.completions.create(model=server.model,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +32,14 @@ from rewind.server.streaming import (
     sse_data,
 )
 from rewind.server.structured import request_grammar
-from rewind.server.tool_parsing import OutputFormat, OutputSplitter, Piece, ToolCall, collect
+from rewind.server.tool_parsing import (
+    OutputFormat,
+    OutputSplitter,
+    Piece,
+    ToolCall,
+    call_arguments,
+    collect,
+)
 
 router = APIRouter()
 
@@ -71,16 +77,6 @@ def _text_of(message: ChatMessage, add_image: AddImage | None = None) -> str:
     return "".join(texts)
 
 
-def _arguments(raw: str | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        value = json.loads(raw or "{}")
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"tool call arguments are not JSON: {exc}", param="messages") from exc
-    return value if isinstance(value, dict) else {"value": value}
-
-
 def neutral_messages(messages: list[ChatMessage],
                      add_image: AddImage | None = None) -> list[Message]:
     out: list[Message] = []
@@ -91,7 +87,8 @@ def neutral_messages(messages: list[ChatMessage],
             neutral["tool_calls"] = [
                 {"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": call.function.name,
-                              "arguments": _arguments(call.function.arguments)}}
+                              "arguments": call_arguments(call.function.arguments,
+                                                          "tool call", "messages")}}
                 for call in message.tool_calls
             ]
         if message.tool_call_id:

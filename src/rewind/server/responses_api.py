@@ -8,7 +8,6 @@ what the prompt cache is for.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +40,7 @@ from rewind.server.streaming import (
     sse_event,
 )
 from rewind.server.structured import request_grammar, responses_text_format
-from rewind.server.tool_parsing import OutputSplitter, Piece
+from rewind.server.tool_parsing import OutputSplitter, Piece, call_arguments
 
 router = APIRouter()
 
@@ -69,20 +68,6 @@ def _parts_text(content: str | list[ResponsesPart] | None, where: str,
     return "".join(texts)
 
 
-def _call_arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:
-    """A function_call's arguments: a JSON object in a string (the API's form), or the object
-    itself (which some clients send)."""
-    if isinstance(raw, dict):
-        return raw
-    try:
-        arguments = json.loads(raw or "{}")
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"{where}: arguments are not JSON: {exc}", param="input") from exc
-    if not isinstance(arguments, dict):
-        raise bad_request(f"{where}: arguments must be a JSON object", param="input")
-    return arguments
-
-
 def neutral_messages(body: ResponsesRequest,
                      add_image: Callable[[Any], str] | None = None) -> list[Message]:
     out: list[Message] = []
@@ -102,7 +87,7 @@ def neutral_messages(body: ResponsesRequest,
             out.append(message)
         elif isinstance(item, (ResponsesFunctionCallItem, ResponsesCustomToolCallItem)):
             if isinstance(item, ResponsesFunctionCallItem):
-                arguments = _call_arguments(item.arguments, where)
+                arguments = call_arguments(item.arguments, where, "input")
             else:
                 arguments = {"input": item.input}
             call = {"id": item.call_id or _new_id("call"), "type": "function",

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rewind.server.errors import bad_request
+
 log = logging.getLogger(__name__)
 
 ToolParser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools) signature
@@ -76,6 +78,20 @@ class OutputFormat:
         template = getattr(tokenizer, "chat_template", None)
         native = isinstance(template, str) and "tools" in template
         return cls(think_start, think_end, native_tools=native)
+
+
+def call_arguments(raw: str | dict[str, Any], where: str, param: str) -> dict[str, Any]:
+    """A tool call's arguments sent back by a client: a JSON object in a string (the APIs'
+    form), or the object itself (which some clients send); anything else is a 400."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        arguments = json.loads(raw or "{}")
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"{where}: arguments are not JSON: {exc}", param=param) from exc
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}: arguments must be a JSON object", param=param)
+    return arguments
 
 
 def json_tool_format(fmt: OutputFormat) -> bool:
