@@ -249,8 +249,9 @@ async def messages(request: Request) -> Any:
     grammar = request_grammar(runtime.output_format, runtime.added_tokens,
                               prompt.start_in_reasoning, tools,
                               _tool_choice(body))
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
-                            salt=runtime.cache_salt(request), grammar=grammar)
+    handle = await runtime.submit_async(prompt.tokens, params, prompt.checkpoints,
+                                        prompt.image_prompt, grammar=grammar,
+                                        salt=runtime.cache_salt(request))
     generation = Generation(runtime, "messages", request, handle, splitter)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id

@@ -194,8 +194,9 @@ async def chat_completions(request: Request) -> Any:
     grammar = request_grammar(runtime.output_format, runtime.added_tokens,
                               prompt.start_in_reasoning, tools, choice,
                               response_format)
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
-                            salt=runtime.cache_salt(request, body.cache_salt), grammar=grammar)
+    handle = await runtime.submit_async(prompt.tokens, params, prompt.checkpoints,
+                                        prompt.image_prompt, grammar=grammar,
+                                        salt=runtime.cache_salt(request, body.cache_salt))
     generation = Generation(runtime, "chat", request, handle, splitter, keep_tokens=body.logprobs)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id

@@ -253,8 +253,9 @@ async def responses(request: Request) -> Any:
     grammar = request_grammar(runtime.output_format, runtime.added_tokens,
                               prompt.start_in_reasoning, tools, choice,
                               responses_text_format(body.text))
-    handle = runtime.submit(prompt.tokens, params, prompt.checkpoints, prompt.image_prompt,
-                            salt=runtime.cache_salt(request), grammar=grammar)
+    handle = await runtime.submit_async(prompt.tokens, params, prompt.checkpoints,
+                                        prompt.image_prompt, grammar=grammar,
+                                        salt=runtime.cache_salt(request))
     generation = Generation(runtime, "responses", request, handle, splitter)
     response = {
         "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
