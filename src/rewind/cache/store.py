@@ -12,6 +12,10 @@ evaluated) arrays and pwrites them, outside the lock, into a range that no reade
 get() preads under the lock (so a range cannot be freed and reused mid-read) and verifies the
 checksum outside it. Any disk fault costs the record, never an exception in the caller: the
 cache only makes answers faster, so a failing disk must only make them slower.
+
+With persist=True (rewind serve --cache-persist) the file is named instead and reopened by the
+next process, with an index snapshotted every N records or T seconds and at close; each record
+is framed with its key and checked when it is read (file format and lock: persist.py).
 """
 
 from __future__ import annotations
