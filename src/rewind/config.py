@@ -50,6 +50,11 @@ class CacheConfig:
     cache_dir: Path | None = None  # None: paths.scratch_dir()
     writer_queue: int = 64  # records waiting for the disk; the engine blocks only past this
     salt: str = ""  # per-tenant cache salt folded into every block key
+    # Keep the disk tier in a named file + index in cache_dir that the next server reopens
+    # (rewind.cache.persist); records are written through as they are made.
+    persist: bool = False
+    snapshot_records: int = 64  # the index is rewritten after this many new records...
+    snapshot_seconds: float = 5.0  # ...or this long after the last snapshot, and at close
     # Tests only: faults injected under the disk tier's file I/O (rewind.cache.file_io).
     disk_faults: DiskFaults | None = None
 

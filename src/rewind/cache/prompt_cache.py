@@ -22,6 +22,7 @@ corrupt or fails its identity check only shortens the restored prefix.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 _TAG = {rec.WINDOW: b"w", rec.STATE: b"s"}  # the records beside a block's spine record
 _MAX_PARTIAL_POINTS = 1 << 16  # bound on the in-memory index of partial checkpoints
 _MAX_RESTORE_ATTEMPTS = 4  # a failing record shortens the plan; give up after this many
+_PARTIAL_NOTE = b"p"  # a persistent store's note on a partial point's spine record
 
 
 @dataclass
@@ -78,7 +80,9 @@ def _open_store(config: CacheConfig) -> Any | None:
     try:
         budget = config.disk_bytes if config.disk_bytes is not None else default_disk_budget(folder)
         store = ScratchStore(folder, budget, queue_size=config.writer_queue,
-                             io=file_io(config.disk_faults))
+                             io=file_io(config.disk_faults), persist=config.persist,
+                             snapshot_records=config.snapshot_records,
+                             snapshot_seconds=config.snapshot_seconds)
     except Exception as error:  # noqa: BLE001 - a broken disk tier costs recompute, not a crash
         log.warning("disk tier disabled: %s", error)
         return None
@@ -97,10 +101,17 @@ class PromptCache:
         self.block_tokens = self.config.block_tokens
         self._lock = threading.RLock()  # the engine thread is the user; tests may add more
         self._partials: dict[bytes, set[int]] = {}  # chained_from key -> partial lengths
+        self._partial_notes: dict[bytes, bytes] = {}  # spine key -> note (write-through only)
         self._partial_count = 0
         self.disabled_reason: str | None = None if self.config.enabled else "disabled by config"
         self.store = _open_store(self.config) if self.config.enabled else None
         self.ram = RamTier(self.config.ram_bytes, spill=self._spill)
+        # A persistent store writes every record through as it is made (a kill loses only the
+        # newest), and brings back the partial points of an earlier process.
+        self.write_through = bool(self.store is not None and self.store.persistent)
+        if self.write_through:
+            self.store.note_model(fingerprint)
+            self._reload_partials()
         self._counters = {
             "restores": 0,
             "tokens_requested": 0,
@@ -223,6 +234,10 @@ class PromptCache:
             if block.key not in fresh:
                 held = self.ram.peek(block.key)
                 needed += held.nbytes if held is not None else 0
+        if self.write_through:
+            for key, parent, record in new:
+                self.store.put(key, parent, record, self._partial_notes.get(key, b""))
+            self._partial_notes.clear()
         if needed > self.ram.budget_bytes:
             self._counters["points_past_ram"] += 1
             for key, parent, record in new:
@@ -413,7 +428,20 @@ class PromptCache:
         if self.store is not None:
             self.store.discard(key)
 
+    def _reload_partials(self) -> None:
+        """The partial points whose spine records a persistent store brought back."""
+        for _key, _parent, note in self.store.notes():
+            if note[:1] == _PARTIAL_NOTE and len(note) > 5:
+                (length,) = struct.unpack_from("<I", note, 1)
+                lengths = self._partials.setdefault(bytes(note[5:]), set())
+                if length not in lengths:
+                    lengths.add(length)
+                    self._partial_count += 1
+
     def _remember_partial(self, point: BlockIdentity) -> None:
+        if self.write_through:
+            self._partial_notes[point.key] = (_PARTIAL_NOTE + struct.pack("<I", len(point.tokens))
+                                              + point.chained_from)
         lengths = self._partials.setdefault(point.chained_from, set())
         if len(point.tokens) not in lengths:
             if self._partial_count >= _MAX_PARTIAL_POINTS:

@@ -12,6 +12,10 @@ evaluated) arrays and pwrites them, outside the lock, into a range that no reade
 get() preads under the lock (so a range cannot be freed and reused mid-read) and verifies the
 checksum outside it. Any disk fault costs the record, never an exception in the caller: the
 cache only makes answers faster, so a failing disk must only make them slower.
+
+With persist=True (rewind serve --cache-persist) the file is named instead and reopened by the
+next process, with an index snapshotted every N records or T seconds and at close; each record
+is framed with its key and checked when it is read (file format and lock: persist.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Hashable
 import mlx.core as mx
 import xxhash
 
+from rewind.cache import persist as fmt
 from rewind.cache.file_io import FileIO
 from rewind.cache.lru import ChainLRU
 from rewind.cache.serialize import (
@@ -137,6 +142,12 @@ class _Pending:
     record: Record  # what get() returns while the record waits for the disk
     words: list[mx.array]  # its arrays as the blob holds them, evaluated
     layout: EncodedLayout
+    frame: bytes = b""  # persistent stores: the key's frame, written before the blob
+    note: bytes = b""  # persistent stores: the caller's note, kept in the index
+
+    @property
+    def size(self) -> int:
+        return len(self.frame) + self.layout.size
 
 
 def open_anonymous_file(folder: Path, use_o_tmpfile: bool = True) -> int:
@@ -171,8 +182,22 @@ class ScratchStore:
         queue_bytes: int = 256 << 20,
         use_o_tmpfile: bool = True,
         io: FileIO | None = None,
+        persist: bool = False,
+        snapshot_records: int = 64,
+        snapshot_seconds: float = 5.0,
     ) -> None:
         self.folder = Path(folder)
+        # Persistence (see persist.py): a named data file and index in `folder`, reopened by
+        # the next process; off, or when another process owns the folder: an anonymous file.
+        self.persistent = False
+        self.snapshot_records = max(1, snapshot_records)
+        self.snapshot_seconds = snapshot_seconds
+        self._folder_lock: fmt.FolderLock | None = None
+        self._notes: dict[Key, bytes] = {}
+        self._models: dict[str, float] = {}  # fingerprints that used this store -> last seen
+        self._changes = 0  # index changes since the last snapshot
+        self._last_snapshot = time.monotonic()
+        self._snapshot_lock = threading.Lock()  # one snapshot at a time
         self._io = io or FileIO()
         self._fault_logged: dict[str, float] = {}  # kind -> when it was last logged
         self.budget_bytes = budget_bytes
@@ -202,6 +227,11 @@ class ScratchStore:
             "no_space": 0,  # the file could not make room within the budget
             "disk_full": 0,  # writes refused by the device (ENOSPC, EDQUOT, EFBIG)
             "queue_waits": 0,  # times put() waited for queued bytes to drain
+            "loaded_records": 0,  # records found in the index at open (persistent stores)
+            "loaded_bytes": 0,
+            "snapshots": 0,  # index snapshots written
+            "snapshot_errors": 0,
+            "set_aside": 0,  # unreadable or foreign files renamed out of the way at open
         }
         self.last_error: str | None = None
         self._fd = -1
@@ -211,8 +241,12 @@ class ScratchStore:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._fd = open_anonymous_file(self.folder, use_o_tmpfile)
+            if persist:
+                self._open_persistent()
+            if not self.persistent:
+                self._fd = open_anonymous_file(self.folder, use_o_tmpfile)
         except OSError as error:
+            self._close_persistent_files()
             self.disabled_reason = f"cannot open a scratch file in {self.folder}: {error}"
             log.warning("disk cache disabled: %s", self.disabled_reason)
             return
@@ -220,9 +254,10 @@ class ScratchStore:
         self.enabled = True
 
     # ---- the API -----------------------------------------------------------------------
-    def put(self, key: Key, parent: Key | None, record: Record) -> bool:
+    def put(self, key: Key, parent: Key | None, record: Record, note: bytes = b"") -> bool:
         """Queue `record` for the disk; False if it will not be stored (the reason is counted).
 
+        `note`: a few bytes kept beside the key in a persistent store's index (notes()).
         Blocks only while the writer's queue is full. Never raises on disk trouble.
         """
         if not self.enabled:
@@ -233,6 +268,9 @@ class ScratchStore:
             words = wire_arrays(record)
             mx.eval(words)
             encoded = layout(record)
+            framed = fmt.frame(key) if self.persistent else b""
+            if len(note) > 0xFFFF:
+                raise ValueError(f"a note of {len(note)} bytes")
         except Exception as error:  # noqa: BLE001 - an unstorable record is only not stored
             with self._lock:
                 self._counts["rejected"] += 1
@@ -244,9 +282,10 @@ class ScratchStore:
             if key in self._slots or key in self._pending:
                 self._lru.touch(key)
                 return True
+            size = len(framed) + encoded.size
             while (
                 self._pending_bytes > 0
-                and self._pending_bytes + encoded.size > self.queue_bytes
+                and self._pending_bytes + size > self.queue_bytes
                 and self.enabled
             ):
                 self._counts["queue_waits"] += 1
@@ -256,11 +295,11 @@ class ScratchStore:
             if key in self._slots or key in self._pending:
                 self._lru.touch(key)
                 return True
-            if not self._lru.add(key, parent, encoded.size):
+            if not self._lru.add(key, parent, size):
                 self._counts["rejected"] += 1
                 return False
-            self._pending[key] = _Pending(parent, record, words, encoded)
-            self._pending_bytes += encoded.size
+            self._pending[key] = _Pending(parent, record, words, encoded, framed, bytes(note))
+            self._pending_bytes += size
             writer = self._writer
         if writer is None or not writer.submit(key):
             with self._lock:
@@ -291,9 +330,10 @@ class ScratchStore:
                 self._fault("read_errors", f"read {slot.length} bytes at {slot.offset}: {error}")
                 self._drop_subtree(key)
                 return None
-        if xxhash.xxh3_128_intdigest(blob) == slot.checksum:
+        framed = fmt.frame(key) if self.persistent else b""
+        if xxhash.xxh3_128_intdigest(blob) == slot.checksum and blob.startswith(framed):
             try:
-                record = decode_record(blob)
+                record = decode_record(memoryview(blob)[len(framed):])
             except RecordFormatError as error:
                 with self._lock:
                     self._fault("corrupt", f"a record passed its checksum but does not decode: "
@@ -336,10 +376,19 @@ class ScratchStore:
         return True if writer is None else writer.flush(timeout)
 
     def close(self) -> None:
-        """Stop the writer (queued records are dropped) and close the file, which vanishes."""
+        """Stop the writer and close the file. An anonymous file vanishes (queued records are
+        dropped); a persistent store writes what is queued, syncs and writes a final index."""
         writer = self._writer
         if writer is not None:
-            writer.close(drain=False)
+            writer.close(drain=self.persistent)
+        if self.persistent and self.enabled:
+            with self._lock:
+                fd = self._fd
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                pass
+            self.snapshot()
         with self._lock:
             self.enabled = False
             if self.disabled_reason is None:
@@ -351,6 +400,7 @@ class ScratchStore:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        self._close_persistent_files()
 
     def __enter__(self) -> "ScratchStore":
         return self
@@ -373,8 +423,133 @@ class ScratchStore:
                 "file_limit": self._file_limit,
                 "free_bytes": self._free.free_bytes,
                 "last_error": self.last_error,
+                "persistent": self.persistent,
                 **self._counts,
             }
+
+    # ---- persistence (see persist.py) ---------------------------------------------------
+    def snapshot(self) -> bool:
+        """Write the index (atomically replacing the last one); False if not persistent or the
+        write failed (counted; the previous index stays and is still safe to open)."""
+        if not self.persistent:
+            return False
+        with self._snapshot_lock:
+            with self._lock:
+                if self._fd < 0:
+                    return False
+                entries = []
+                for key in self._lru.keys_by_recency():
+                    slot = self._slots.get(key)
+                    if slot is not None:
+                        entries.append(fmt.Entry(key, self._lru.parent(key), slot.offset,
+                                                 slot.length, slot.checksum,
+                                                 self._notes.get(key, b"")))
+                meta = {"file_end": self._free.end, "models": dict(self._models),
+                        "written": time.time()}
+                self._changes = 0
+                self._last_snapshot = time.monotonic()
+            try:
+                fmt.write_index(self.folder, fmt.Index(entries, meta))
+            except OSError as error:
+                with self._lock:
+                    self._fault("snapshot_errors", f"cannot write the index in {self.folder}: "
+                                f"{error}")
+                return False
+            with self._lock:
+                self._counts["snapshots"] += 1
+            return True
+
+    def notes(self) -> list[tuple[Key, Key | None, bytes]]:
+        """(key, parent, note) of the stored records that were put with a note."""
+        with self._lock:
+            return [(key, self._lru.parent(key), note) for key, note in self._notes.items()
+                    if key in self._lru]
+
+    def note_model(self, fingerprint: str) -> None:
+        """Remember that a model with this fingerprint uses the store (`rewind cache stats`)."""
+        with self._lock:
+            self._models[fingerprint] = time.time()
+
+    def _open_persistent(self) -> None:
+        """Own the folder and reopen its data file and index; leaves self.persistent False
+        (the caller opens an anonymous file) when another process owns the folder."""
+        lock = fmt.FolderLock(self.folder)
+        if not lock.acquire():
+            log.warning("prompt cache folder %s is owned by another Rewind process (%s is "
+                        "locked): this server uses a private scratch file instead, which is not "
+                        "kept after it stops", self.folder, lock.path)
+            return
+        self._folder_lock = lock
+        started = time.perf_counter()
+        try:
+            index = fmt.read_index(self.folder)
+        except fmt.IndexFormatError as error:
+            moved = fmt.set_aside(self.folder)
+            self._counts["set_aside"] += 1
+            log.warning("prompt cache in %s not trusted (%s): set aside as %s; starting empty",
+                        self.folder, error, ", ".join(p.name for p in moved) or "nothing")
+            index = None
+        self._fd = os.open(self.folder / fmt.DATA_NAME,
+                           os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self.persistent = True
+        if index is None:
+            # No index (a new folder, or killed before the first snapshot): nothing in the data
+            # file can be trusted, so it starts over.
+            self._io.ftruncate(self._fd, 0)
+            return
+        self._load_index(index)
+        log.info("prompt cache: reopened %d records (%d bytes) from %s in %.3f s",
+                 self._counts["loaded_records"], self._counts["loaded_bytes"], self.folder,
+                 time.perf_counter() - started)
+
+    def _load_index(self, index: fmt.Index) -> None:
+        """Slots, free list and LRU order from the index. Records are not read here: each is
+        checked when it is used."""
+        size = os.fstat(self._fd).st_size
+        models = index.meta.get("models")
+        if isinstance(models, dict):
+            self._models.update({str(k): float(v) for k, v in models.items()
+                                 if isinstance(v, (int, float))})
+        # Keep entries that lie inside the file and overlap no other (a damaged index must not
+        # hand one range to two keys).
+        usable: list[fmt.Entry] = []
+        taken_end = 0
+        for entry in sorted(index.entries, key=lambda e: e.offset):
+            if entry.length <= 0 or entry.offset < taken_end or entry.offset + entry.length > size:
+                continue
+            usable.append(entry)
+            taken_end = entry.offset + entry.length
+        with self._lock:
+            self._free.end = taken_end
+            position = 0
+            for entry in usable:
+                if entry.offset > position:
+                    self._free.release(position, entry.offset - position)
+                position = entry.offset + entry.length
+            keep = {id(entry) for entry in usable}
+            for entry in index.entries:  # oldest use first: the LRU's order comes back
+                if id(entry) not in keep:
+                    continue  # its range was never taken
+                if entry.key in self._slots or not self._lru.add(entry.key, entry.parent,
+                                                                  entry.length):
+                    self._release(entry.offset, entry.length)  # a duplicate, or too large
+                    continue
+                self._slots[entry.key] = Slot(entry.offset, entry.length, entry.checksum)
+                if entry.note:
+                    self._notes[entry.key] = entry.note
+            self._counts["loaded_records"] = len(self._slots)
+            self._counts["loaded_bytes"] = self._lru.total_bytes
+            self._changes = 0
+        if size > self._free.end:
+            try:  # records written after the snapshot are lost: give their space back
+                self._io.ftruncate(self._fd, self._free.end)
+            except OSError:
+                pass
+
+    def _close_persistent_files(self) -> None:
+        if self._folder_lock is not None:
+            self._folder_lock.release()
+            self._folder_lock = None
 
     def drop_page_cache(self) -> bool:
         """Sync the file and ask the kernel to drop its cached pages, so the next reads come
@@ -414,18 +589,19 @@ class ScratchStore:
             if pending is None:
                 return  # evicted or dropped while queued
         try:
-            buffers = [memoryview(pending.layout.header), *array_buffers(pending.words)]
+            buffers = [memoryview(pending.frame), memoryview(pending.layout.header),
+                       *array_buffers(pending.words)]
             hasher = xxhash.xxh3_128()
             for buffer in buffers:
                 hasher.update(buffer)
             checksum = hasher.intdigest()
-            if sum(len(b) for b in buffers) != pending.layout.size:
+            if sum(len(b) for b in buffers) != pending.size:
                 raise RecordFormatError("array bytes disagree with the record's layout")
         except Exception as error:  # noqa: BLE001 - a record that cannot be encoded is lost, only
             with self._lock:
                 self._fail(key, pending, f"encode: {error!r}")
             return
-        size = pending.layout.size
+        size = pending.size
         with self._lock:
             if self._pending.get(key) is not pending:
                 return  # evicted meanwhile
@@ -457,10 +633,17 @@ class ScratchStore:
             if self._pending.get(key) is pending:
                 self._pop_pending(key)
                 self._slots[key] = Slot(offset, size, checksum)
+                if pending.note:
+                    self._notes[key] = pending.note
+                self._changes += 1
                 self._counts["bytes_written"] += size
                 self._counts["records_written"] += 1
             else:  # evicted while its bytes were going out
                 self._release(offset, size)
+        if self.persistent and (
+                self._changes >= self.snapshot_records
+                or time.monotonic() - self._last_snapshot >= self.snapshot_seconds):
+            self.snapshot()
 
     # ---- internals (called with the lock held) -----------------------------------------
     def _allocate(self, size: int, key: Key) -> int | None:
@@ -484,12 +667,14 @@ class ScratchStore:
         slot = self._slots.pop(key, None)
         if slot is not None:
             self._release(slot.offset, slot.length)
+            self._notes.pop(key, None)
+            self._changes += 1
         self._pop_pending(key)
 
     def _pop_pending(self, key: Key) -> _Pending | None:
         pending = self._pending.pop(key, None)
         if pending is not None:
-            self._pending_bytes -= pending.layout.size
+            self._pending_bytes -= pending.size
             self._drained.notify_all()
         return pending
 

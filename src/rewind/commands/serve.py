@@ -48,7 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-disk-cache", action="store_true",
                         help="keep the prompt cache in RAM only")
     parser.add_argument("--cache-dir", default=None, type=Path,
-                        help="folder of the (unlinked) scratch file")
+                        help="folder of the disk tier's file (unlinked unless --cache-persist)")
+    parser.add_argument("--cache-persist", action="store_true",
+                        help="keep the prompt cache on disk across restarts (a named file and "
+                        "index in --cache-dir; see `rewind cache stats`)")
     parser.add_argument("--max-kv-size", type=int, default=None,
                         help="cap each sequence's KV cache (rotating) at N tokens")
     parser.add_argument("--max-body", default="32MiB", metavar="SIZE",
@@ -67,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     cache = CacheConfig(enabled=not args.no_prompt_cache, disk_enabled=not args.no_disk_cache,
-                        cache_dir=args.cache_dir)
+                        cache_dir=args.cache_dir, persist=args.cache_persist)
     if args.cache_ram is not None:
         cache.ram_bytes = parse_size(args.cache_ram)
     if args.cache_disk is not None:
