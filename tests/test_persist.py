@@ -207,6 +207,8 @@ def test_a_restarted_server_resumes_conversations_from_disk(tiny_model_path, tmp
     with persistent(tiny_model_path, tmp_path) as live:
         stats = store_of(live).stats()
         assert stats["loaded_records"] > 0 and stats["loaded_bytes"] > 0
+        scraped = httpx.get(f"{live.url}/metrics").text
+        assert f"rewind_prompt_cache_loaded_records {float(stats['loaded_records'])}" in scraped
         texts, cached = answers(live)
         assert texts == expected
         # The whole prompt but its last token, partial point included: from the disk.

@@ -16,7 +16,8 @@ from prometheus_client.registry import Collector
 from rewind.engine import Usage
 
 # The disk tier's fault counters (rewind.cache.store.ScratchStore.stats).
-DISK_FAULT_KINDS = ("write_errors", "read_errors", "corrupt", "disk_full", "no_space")
+DISK_FAULT_KINDS = ("write_errors", "read_errors", "corrupt", "disk_full", "no_space",
+                    "snapshot_errors")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0)
 
@@ -58,6 +59,12 @@ class _LiveGauges(Collector):
         yield GaugeMetricFamily("rewind_prompt_cache_disk_enabled",
                                 "1 while the prompt cache's disk tier takes records",
                                 value=float(bool(disk.get("enabled"))))
+        for name, key, doc in (
+                ("rewind_prompt_cache_loaded_records", "loaded_records",
+                 "Records a persistent cache (--cache-persist) reopened at start"),
+                ("rewind_prompt_cache_loaded_bytes", "loaded_bytes",
+                 "Bytes of the records a persistent cache reopened at start")):
+            yield GaugeMetricFamily(name, doc, value=float(disk.get(key, 0)))
         yield GaugeMetricFamily("rewind_prompt_cache_disk_queued_bytes",
                                 "Record bytes held in RAM until the disk writer takes them",
                                 value=float(disk.get("queued_bytes", 0)))
