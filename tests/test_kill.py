@@ -78,3 +78,36 @@ def test_kill_9_while_streaming_and_writing_then_restart(tiny_model_path, tmp_pa
     finally:
         again.stop()
     assert list(cache_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_stopped_persistent_server_resumes_after_restart(tiny_model_path, tmp_path):
+    """`rewind serve --cache-persist` stopped as a user stops it (SIGTERM; Ctrl-C is SIGINT)
+    writes its index, and the restarted server serves the conversation from disk."""
+    folder = tiny_model_path("llama")
+    cache_dir = tmp_path / "cache"
+
+    def serve(log: str) -> ServerProcess:
+        port = free_port()
+        argv = [sys.executable, "-m", "rewind", "serve", "--model", str(folder), "--port",
+                str(port), "--cache-dir", str(cache_dir), "--cache-persist",
+                "--log-level", "warning"]
+        server = ServerProcess("rewind", argv, port, tmp_path / log, ready_paths=("/health",))
+        server.start().wait_ready(120)
+        return server
+
+    def cached(url: str) -> int:
+        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        first = serve("first.log")
+        cached(first.base_url)
+        first.process.send_signal(stop_signal)
+        assert first.process.wait(30) in (0, -stop_signal, 128 + stop_signal)
+        again = serve("again.log")
+        try:
+            assert cached(again.base_url) == len(PROMPT) - 1
+        finally:
+            again.stop()

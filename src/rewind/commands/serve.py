@@ -131,14 +131,18 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(config.model, **cpu_weight_options(config.cpu_weights))
     prompt_cache = build_prompt_cache(loaded, config.engine.cache)
     engine = Engine(loaded, config.engine, prompt_cache).start()
-    app = create_app(loaded, engine, config, prompt_cache)
+
+    def close() -> None:
+        engine.shutdown()
+        if prompt_cache is not None:
+            prompt_cache.close()
+
+    app = create_app(loaded, engine, config, prompt_cache, on_shutdown=close)
     print(f"serving {loaded.name} ({loaded.path}) on http://{config.host}:{config.port}/v1 "
           f"with --parallel {config.engine.parallel}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)
     finally:
-        engine.shutdown()
-        if prompt_cache is not None:
-            prompt_cache.close()
+        close()  # if the app never started (a port in use); a second close does nothing
     return 0

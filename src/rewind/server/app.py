@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,11 +29,24 @@ _STATUS_KINDS = {401: "authentication", 404: "not_found", 405: "invalid_request"
 
 
 def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
-               prompt_cache: Any = None) -> FastAPI:
-    """An app around a loaded model and a started engine (the caller owns their lifetimes)."""
+               prompt_cache: Any = None,
+               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """An app around a loaded model and a started engine (the caller owns their lifetimes;
+    `on_shutdown` runs when the server stops, e.g. to close them)."""
     config = config or ServerConfig()
     runtime = ServerRuntime(loaded, engine, config, prompt_cache)
-    app = FastAPI(title="Rewind", version="0.1.0", docs_url=None, redoc_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Here, not after uvicorn.run() returns: on SIGINT / SIGTERM uvicorn re-raises the
+        # signal once it has shut down, so code after run() never runs and a persistent prompt
+        # cache would lose its final index.
+        if on_shutdown is not None:
+            await asyncio.to_thread(on_shutdown)
+
+    app = FastAPI(title="Rewind", version="0.1.0", docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
     app.state.runtime = runtime
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
