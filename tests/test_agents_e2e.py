@@ -1,0 +1,383 @@
+"""The real coding agents drive `rewind serve`: Claude Code (`claude -p`, Messages API) and codex
+(`codex exec`, Responses API), installed from npm by scripts/install-agents.sh (a failed install
+fails these tests), run in a scratch project folder against a `rewind serve` subprocess on
+loopback, through a recording proxy.
+
+The model is tiny and random, so the tests check the traffic, not the wisdom: every request the
+agent makes is answered 200 in its API's shape, named the served model and carried its tools;
+streamed events come in the order the client expects; the agent ends normally (for a model that
+never stops on its own within the server's --max-tokens 32, that is the agent's own "output
+limit reached" outcome, not a protocol error); and the prompt cache hits.
+
+The last tests replay tests/data/agent_traffic.json (recorded from these runs: set
+RECORD_AGENT_TRAFFIC=1 to record it again) against an in-process server; they need no npm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from agent_checks import (MODEL_NAME, ROOT, anthropic_stream_problems, anthropic_usage,
+                          build_agent_model, cached_fraction_anthropic, cached_fraction_responses,
+                          responses_stream_problems, responses_usage)
+from recording_proxy import Exchange, RecordingProxy
+
+from rewind.bench.harness import ServerProcess, free_port
+
+MAX_TOKENS = 32  # the server's output cap: the random model never stops on its own
+AGENT_TIMEOUT = 240
+FIXTURE = Path(__file__).parent / "data" / "agent_traffic.json"
+RECORD = os.environ.get("RECORD_AGENT_TRAFFIC") == "1"
+
+# Keep the agents from phoning home (there is no internet here anyway; in CI there might be).
+CLAUDE_QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+                "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+# Headers that say nothing about the client: not recorded.
+UNRECORDED_HEADERS = {"host", "content-length", "connection", "accept-encoding"}
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def agents() -> Path:
+    """The agents' bin folder, installed once by the script; a failed install fails the test."""
+    script = ROOT / "scripts" / "install-agents.sh"
+    try:
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                              timeout=1200)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script.name} ran past 20 minutes:\n{exc.stdout}\n{exc.stderr}",
+                    pytrace=False)
+    if done.returncode != 0:
+        pytest.fail(f"{script.name} failed with exit code {done.returncode}:\n{done.stdout}"
+                    f"\n{done.stderr}", pytrace=False)
+    return ROOT / ".agents" / "node_modules" / ".bin"
+
+
+@pytest.fixture(scope="session")
+def agent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_agent_model(tmp_path_factory.mktemp("agent-model"))
+
+
+@dataclass
+class Served:
+    server: ServerProcess
+    proxy: RecordingProxy
+
+    def metrics(self) -> dict[str, float]:
+        """`/metrics` summed over labels, by sample name (e.g. rewind_requests_total)."""
+        text = httpx.get(self.server.base_url + "/metrics", timeout=10).text
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+            if match:
+                totals[match[1]] = totals.get(match[1], 0.0) + float(match[3])
+        return totals
+
+
+@pytest.fixture(scope="module")
+def served(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`rewind serve` as a subprocess (the real CLI, engine and prompt cache), behind the proxy."""
+    scratch = tmp_path_factory.mktemp("agent-server")
+    port = free_port()
+    argv = [sys.executable, "-m", "rewind", "serve", "--model", str(agent_model),
+            "--port", str(port), "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(scratch),
+            "--log-level", "warning"]
+    server = ServerProcess("rewind", argv, port, scratch / "server.log",
+                           ready_paths=("/health",)).start()
+    try:
+        server.wait_ready(timeout=300)
+        with RecordingProxy(server.base_url) as proxy:
+            yield Served(server, proxy)
+    finally:
+        server.stop()
+
+
+@dataclass
+class AgentRun:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    exchanges: list[Exchange] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"$ {' '.join(self.argv)}  -> exit {self.returncode} in {self.seconds:.1f} s"]
+        for e in self.exchanges:
+            lines.append(f"  {e.method} {e.path} -> {e.status} in {e.seconds:.1f} s "
+                         f"{e.error or ''}{e.response_body[:300]!r}")
+        return "\n".join(lines + ["stdout: " + self.stdout[-2000:],
+                                  "stderr: " + self.stderr[-2000:]])
+
+
+def run_agent(argv: list[str], env: dict[str, str], cwd: Path, served: Served) -> AgentRun:
+    served.proxy.take()
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
+            "TERM": "dumb", "NO_COLOR": "1"}
+    start = time.monotonic()
+    try:
+        done = subprocess.run(argv, cwd=cwd, env={**base, **env}, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=AGENT_TIMEOUT)
+        returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = -1
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+    run = AgentRun(argv, returncode, stdout, stderr, time.monotonic() - start)
+    run.exchanges = served.proxy.take()
+    print(f"\n{Path(argv[0]).name}: {run.seconds:.1f} s, {len(run.exchanges)} requests "
+          f"({', '.join(f'{e.seconds:.1f}' for e in run.exchanges)} s)", file=sys.stderr)
+    return run
+
+
+def project_folder(root: Path) -> Path:
+    """A scratch project with a few files for the agents to look at."""
+    project = root / "project"
+    (project / "src").mkdir(parents=True, exist_ok=True)
+    (project / "README.md").write_text("# demo\n\nA tiny project for the agent tests.\n")
+    (project / "src" / "app.py").write_text("def main() -> None:\n    print('hello')\n")
+    return project
+
+
+def claude_env(served: Served, home: Path) -> dict[str, str]:
+    return {"HOME": str(home), **CLAUDE_QUIET,
+            "ANTHROPIC_BASE_URL": served.proxy.url, "ANTHROPIC_API_KEY": "sk-rewind-test",
+            # Its small/fast model (titles, summaries, ...) and the model families' defaults:
+            # every request must name the model served.
+            "ANTHROPIC_MODEL": MODEL_NAME, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL_NAME,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL_NAME,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL_NAME,
+            "CLAUDE_CODE_SUBAGENT_MODEL": MODEL_NAME}
+
+
+def codex_home(served: Served, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.toml").write_text(f"""\
+model = "{MODEL_NAME}"
+model_provider = "rewind"
+model_context_window = 131072
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.rewind]
+name = "Rewind"
+base_url = "{served.proxy.url}/v1"
+wire_api = "responses"
+""")
+    return folder
+
+
+# ---- what every agent request must show ---------------------------------------------------------
+
+def check_anthropic_traffic(run: AgentRun) -> list[dict]:
+    """Every request 200, in order, naming the served model, with tools; returns each request's
+    message_start usage."""
+    assert run.exchanges, run.describe()
+    usages = []
+    for e in run.exchanges:
+        assert e.error is None and e.status == 200, run.describe()
+        assert e.method == "POST" and e.path.split("?")[0] == "/v1/messages", run.describe()
+        body = e.json()
+        assert body["model"] == MODEL_NAME, body["model"]
+        assert body["stream"] is True
+        names = {tool.get("name") for tool in body.get("tools") or []}
+        assert {"Bash", "Read"} <= names, names
+        assert e.streamed, e.response_headers
+        events = e.sse_events()
+        assert not anthropic_stream_problems(events), (anthropic_stream_problems(events),
+                                                       run.describe())
+        start, end = anthropic_usage(events)
+        # Anthropic reports the input and cache figures up front; the end repeats them.
+        assert start["input_tokens"] == end["input_tokens"], (start, end)
+        assert start["cache_read_input_tokens"] == end["cache_read_input_tokens"], (start, end)
+        assert 1 <= end["output_tokens"] <= MAX_TOKENS
+        usages.append(start)
+    return usages
+
+
+def check_claude_result(run: AgentRun) -> dict:
+    """The agent's own verdict: a result, never an HTTP or protocol error. With a model that
+    does not stop within the server's cap, Claude Code retries ("Output token limit hit. Resume
+    directly") and then ends with api_error "max_output_tokens": its ordinary outcome here."""
+    result = json.loads(run.stdout)
+    assert result["type"] == "result", run.describe()
+    assert result.get("api_error_status") is None, run.describe()
+    if run.returncode == 0 and not result["is_error"]:
+        return result
+    assert run.returncode == 1 and result["api_error"] == "max_output_tokens", run.describe()
+    return result
+
+
+def prompt_key(body: dict) -> str:
+    """What a request's prompt depends on (not its session ids or output limit)."""
+    return json.dumps([body.get("system"), body.get("messages"), body.get("tools"),
+                       body.get("instructions"), body.get("input")], sort_keys=True)
+
+
+# ---- Claude Code --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def claude_runs(agents: Path, served: Served, tmp_path_factory) -> list[AgentRun]:
+    """Two `claude -p` runs in the same project folder, one after the other."""
+    root = tmp_path_factory.mktemp("claude")
+    project, home = project_folder(root), root / "home"
+    home.mkdir()
+    argv = [str(agents / "claude"), "-p", "list the files", "--output-format", "json",
+            "--model", MODEL_NAME]
+    runs = [run_agent(argv, claude_env(served, home), project, served) for _ in range(2)]
+    if RECORD:
+        record("claude_code", [runs[0].exchanges[0], runs[1].exchanges[0],
+                               *runs[0].exchanges[1:2]],
+               {str(project): "/home/user/project", str(home): "/home/user",
+                served.proxy.url: "http://127.0.0.1:1234"})
+    return runs
+
+
+def test_claude_code_requests_succeed_in_order(claude_runs, served):
+    for run in claude_runs:
+        check_anthropic_traffic(run)
+        check_claude_result(run)
+    metrics = served.metrics()
+    assert metrics.get("rewind_http_errors_total", 0) == 0, metrics
+
+
+def test_claude_code_second_run_hits_the_cache(claude_runs):
+    """The second run in the same folder sends the first run's prompts again (in a new session):
+    each one it repeats is read from the cache for >= 90% of its tokens, in message_start."""
+    first, second = claude_runs
+    seen = {prompt_key(e.json()) for e in first.exchanges}
+    usages = check_anthropic_traffic(second)
+    assert cached_fraction_anthropic(usages[0]) >= 0.9, usages[0]
+    for exchange, usage in zip(second.exchanges, usages):
+        if prompt_key(exchange.json()) in seen:
+            assert cached_fraction_anthropic(usage) >= 0.9, usage
+        else:  # a turn the first run did not take: at least its system prompt and tools
+            assert cached_fraction_anthropic(usage) >= 0.5, usage
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Claude Code 2.1.332 sends messages=[user(prompt), system(environment block, ~9 KB)] and, "
+    "when it retries after max_tokens, appends its reminder to that user message; the server "
+    "turns the trailing system message into a user turn after the prompt, so every retry "
+    "diverges before the environment block and recomputes it (~22% of the prompt here)"))
+def test_claude_code_retries_in_a_session_hit_the_cache(claude_runs):
+    """Issue 14: from the second request of a session on, >= 90% of the prompt is cached."""
+    first = claude_runs[0]
+    if len(first.exchanges) < 2:
+        pytest.skip("the model stopped on its own: the first run made one request")
+    usages = check_anthropic_traffic(first)
+    assert usages[0]["cache_read_input_tokens"] == 0
+    fractions = [round(cached_fraction_anthropic(u), 3) for u in usages[1:]]
+    assert min(fractions) >= 0.9, fractions
+
+
+# ---- codex --------------------------------------------------------------------------------------
+
+def check_responses_traffic(run: AgentRun) -> list[dict]:
+    assert run.exchanges, run.describe()
+    usages = []
+    for e in run.exchanges:
+        assert e.error is None and e.status == 200, run.describe()
+        assert e.method == "POST" and e.path == "/v1/responses", run.describe()
+        body = e.json()
+        assert body["model"] == MODEL_NAME and body["stream"] is True
+        names = {tool.get("name") or tool.get("type") for tool in body.get("tools") or []}
+        assert "exec_command" in names or "shell" in names, names
+        events = e.sse_events()
+        assert not responses_stream_problems(events), (responses_stream_problems(events),
+                                                       run.describe())
+        usage = responses_usage(events)
+        assert 1 <= usage["output_tokens"] <= MAX_TOKENS, usage
+        usages.append(usage)
+    return usages
+
+
+def check_codex_result(run: AgentRun) -> None:
+    """`codex exec --json` events: the turn ends, completed or failed for the output cap (codex
+    reports a response the server cut at --max-tokens as "Incomplete response returned,
+    reason: max_output_tokens"), never for an HTTP or stream error."""
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    kinds = [event.get("type") for event in events]
+    assert "turn.completed" in kinds or "turn.failed" in kinds, run.describe()
+    for event in events:
+        if event.get("type") == "turn.failed":
+            assert "max_output_tokens" in event["error"]["message"], run.describe()
+    assert run.returncode in (0, 1), run.describe()
+
+
+@pytest.fixture(scope="module")
+def codex_runs(agents: Path, served: Served, tmp_path_factory) -> list[AgentRun]:
+    """`codex exec`, then `codex exec resume --last`: two turns of one session."""
+    root = tmp_path_factory.mktemp("codex")
+    project, home = project_folder(root), root / "home"
+    config = codex_home(served, root / "codex-home")
+    env = {"HOME": str(home), "CODEX_HOME": str(config)}
+    common = ["--skip-git-repo-check", "--sandbox", "read-only", "--json", "--strict-config"]
+    codex = str(agents / "codex")
+    runs = [run_agent([codex, "exec", *common, "list the files"], env, project, served),
+            run_agent([codex, "exec", *common, "resume", "--last", "and the folders?"], env,
+                      project, served)]
+    if RECORD:
+        record("codex", [runs[0].exchanges[0], runs[1].exchanges[0]],
+               {str(project): "/home/user/project", str(config): "/home/user/.codex",
+                str(home): "/home/user", served.proxy.url: "http://127.0.0.1:1234"})
+    return runs
+
+
+def test_codex_requests_succeed_in_order(codex_runs, served):
+    for run in codex_runs:
+        check_responses_traffic(run)
+        check_codex_result(run)
+    first = codex_runs[0].exchanges[0].json()
+    assert first.get("max_output_tokens") is None  # codex sends no limit: the server's cap ends it
+    assert served.metrics().get("rewind_http_errors_total", 0) == 0
+
+
+def test_codex_second_turn_hits_the_cache(codex_runs, served):
+    first, second = (check_responses_traffic(run)[0] for run in codex_runs)
+    assert cached_fraction_responses(first) < 0.5, first  # nothing of codex's was cached yet
+    assert cached_fraction_responses(second) >= 0.9, second
+    cached = served.metrics().get("rewind_cached_prompt_tokens_total", 0)
+    assert cached >= second["input_tokens_details"]["cached_tokens"]
+
+
+# ---- the recorded traffic, replayed -------------------------------------------------------------
+
+def record(agent: str, exchanges: list[Exchange], paths: dict[str, str]) -> None:
+    """Write `agent`'s requests into the fixture, with this machine's paths replaced."""
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, str):
+            for real, neutral in sorted(paths.items(), key=lambda kv: -len(kv[0])):
+                value = value.replace(real, neutral)
+            return value
+        if isinstance(value, list):
+            return [scrub(item) for item in value]
+        if isinstance(value, dict):
+            return {key: scrub(item) for key, item in value.items()}
+        return value
+
+    requests = [scrub({"method": e.method, "path": e.path,
+                       "headers": {k: v for k, v in sorted(e.request_headers.items())
+                                   if k not in UNRECORDED_HEADERS},
+                       "body": e.json()}) for e in exchanges]
+    text = json.dumps(requests)
+    for leftover in ("/tmp/", "/work/", "/root", str(ROOT)):
+        assert leftover not in text, f"{leftover} left in the recorded traffic"
+    fixture = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    fixture[agent] = requests
+    FIXTURE.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
