@@ -4,8 +4,12 @@ real agents) and its replay of tests/data/agent_traffic.json."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 # The name the tests serve the model under (its folder's name, which the server accepts).
@@ -46,7 +50,22 @@ def build_agent_model(out_dir: Path) -> Path:
         assert tokenizer.token_to_id(token) == small.token_to_id(token), token
     tokenizer.post_processor = small.post_processor
     tokenizer.save(str(folder / "tokenizer.json"))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_max_length"] = 131072
+    config_path.write_text(json.dumps(config, indent=2))
     return folder
+
+
+def metric_totals(base_url: str) -> dict[str, float]:
+    """A server's /metrics summed over labels, by sample name (e.g. rewind_requests_total)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if match:
+            totals[match[1]] = totals.get(match[1], 0.0) + float(match[3])
+    return totals
 
 
 def anthropic_stream_problems(events: list[tuple[str | None, Any]]) -> list[str]:
