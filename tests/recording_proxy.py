@@ -35,6 +35,8 @@ class Exchange:
     response_body: bytes = b""
     seconds: float = 0.0
     error: str | None = None
+    # (seconds since the request came in, bytes of the answer so far) at each chunk forwarded
+    chunks: list[tuple[float, int]] = field(default_factory=list)
 
     def json(self) -> Any:
         return json.loads(self.request_body) if self.request_body else None
@@ -56,6 +58,19 @@ class Exchange:
                 except ValueError:
                     events.append((name, text))
         return events
+
+    def seconds_to(self, marker: bytes) -> float | None:
+        """When the chunk holding the first occurrence of `marker` was forwarded (e.g.
+        b"_delta" for the first token of a stream)."""
+        at = self.response_body.find(marker)
+        if at < 0:
+            return None
+        return next((t for t, size in self.chunks if size > at), None)
+
+    def first_token_seconds(self) -> float | None:
+        """When the first delta event of a Messages or Responses stream was forwarded."""
+        times = [self.seconds_to(marker) for marker in (b'"content_block_delta"', b'.delta"')]
+        return min((t for t in times if t is not None), default=None)
 
     @property
     def streamed(self) -> bool:
@@ -107,6 +122,8 @@ class RecordingProxy:
                     received = bytearray()
                     for chunk in response.iter_raw():
                         received += chunk
+                        exchange.chunks.append((time.monotonic() - exchange.started,
+                                                len(received)))
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         self.wfile.flush()
                     self.wfile.write(b"0\r\n\r\n")

@@ -129,8 +129,11 @@ def run_agent(argv: list[str], env: dict[str, str], cwd: Path, served: Served) -
         stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
     run = AgentRun(argv, returncode, stdout, stderr, time.monotonic() - start)
     run.exchanges = served.proxy.take()
-    print(f"\n{Path(argv[0]).name}: {run.seconds:.1f} s, {len(run.exchanges)} requests "
-          f"({', '.join(f'{e.seconds:.1f}' for e in run.exchanges)} s)", file=sys.stderr)
+    # Shown with -s: what the README's figures come from.
+    timings = ", ".join(f"{e.seconds:.1f} s (first token {e.first_token_seconds() or 0:.1f} s)"
+                        for e in run.exchanges)
+    print(f"\n{Path(argv[0]).name}: {run.seconds:.1f} s, {len(run.exchanges)} requests: "
+          f"{timings}", file=sys.stderr)
     return run
 
 
@@ -266,18 +269,24 @@ def test_claude_code_second_run_hits_the_cache(claude_runs):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "Claude Code 2.1.332 sends messages=[user(prompt), system(environment block, ~9 KB)] and, "
-    "when it retries after max_tokens, appends its reminder to that user message; the server "
-    "turns the trailing system message into a user turn after the prompt, so every retry "
-    "diverges before the environment block and recomputes it (~22% of the prompt here)"))
+    "Claude Code 2.1.332 sends messages=[user(prompt), system(environment block, ~9 KB)]; when "
+    "an answer is cut at max_tokens with nothing but thinking in it, it drops the answer and "
+    "appends its 'Output token limit hit' reminder to that first user message, before the "
+    "environment block. The server turns the trailing system-role message into a user turn "
+    "after the prompt, so each such retry diverges before the block and recomputes it: ~79% "
+    "cached here. Moved into the system prompt instead, the retry reads 98% from the cache."))
 def test_claude_code_retries_in_a_session_hit_the_cache(claude_runs):
     """Issue 14: from the second request of a session on, >= 90% of the prompt is cached."""
     first = claude_runs[0]
-    if len(first.exchanges) < 2:
-        pytest.skip("the model stopped on its own: the first run made one request")
     usages = check_anthropic_traffic(first)
     assert usages[0]["cache_read_input_tokens"] == 0
-    fractions = [round(cached_fraction_anthropic(u), 3) for u in usages[1:]]
+    # The retries that rewrote the first user message (the answer before was thinking only).
+    opening = len(first.exchanges[0].json()["messages"])
+    fractions = [round(cached_fraction_anthropic(usage), 3)
+                 for exchange, usage in zip(first.exchanges[1:], usages[1:])
+                 if len(exchange.json()["messages"]) == opening]
+    if not fractions:
+        pytest.skip("no retry of that kind in this run (the model stopped or left thinking)")
     assert min(fractions) >= 0.9, fractions
 
 
