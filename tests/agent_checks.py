@@ -200,3 +200,50 @@ def cached_fraction_anthropic(usage: dict) -> float:
 def cached_fraction_responses(usage: dict) -> float:
     cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
     return cached / max(1, usage["input_tokens"])
+
+
+def _sse(events: list[dict[str, Any]]) -> bytes:
+    return "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+                   for event in events).encode()
+
+
+def canned_anthropic_tool_use(name: str, arguments: dict[str, Any], model: str) -> bytes:
+    """A Messages API stream whose answer is one tool call (what the tiny model never writes)."""
+    usage = {"input_tokens": 1, "output_tokens": 1, "cache_read_input_tokens": 0,
+             "cache_creation_input_tokens": 0}
+    return _sse([
+        {"type": "message_start", "message": {
+            "id": "msg_canned", "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}},
+        {"type": "content_block_start", "index": 0, "content_block": {
+            "type": "tool_use", "id": "toolu_canned_0001", "name": name, "input": {}}},
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "input_json_delta", "partial_json": json.dumps(arguments)}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+         "usage": {**usage, "output_tokens": 20}},
+        {"type": "message_stop"}])
+
+
+def canned_responses_function_call(name: str, arguments: dict[str, Any], model: str) -> bytes:
+    """A Responses API stream whose answer is one function call."""
+    item = {"id": "fc_canned_0001", "type": "function_call", "call_id": "call_canned_0001",
+            "name": name, "arguments": json.dumps(arguments), "status": "completed"}
+    response = {"id": "resp_canned", "object": "response", "created_at": 0, "model": model,
+                "status": "in_progress", "output": [], "usage": None}
+    done = {**response, "status": "completed", "output": [item],
+            "usage": {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": 21}}
+    events = [
+        {"type": "response.created", "response": response},
+        {"type": "response.in_progress", "response": response},
+        {"type": "response.output_item.added", "output_index": 0,
+         "item": {**item, "arguments": "", "status": "in_progress"}},
+        {"type": "response.function_call_arguments.delta", "item_id": item["id"],
+         "output_index": 0, "delta": item["arguments"]},
+        {"type": "response.function_call_arguments.done", "item_id": item["id"],
+         "output_index": 0, "arguments": item["arguments"]},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": done}]
+    return _sse([{**event, "sequence_number": n} for n, event in enumerate(events)])

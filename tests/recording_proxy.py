@@ -4,6 +4,9 @@ Every request is forwarded to `upstream` as is and its answer streamed back as i
 so the client sees the server's own timing and event order. Each exchange is kept in `exchanges`:
 method, path, request headers and body, response status, headers and body (the raw SSE text of a
 stream). Used by the agent tests to check the traffic of Claude Code and codex, and to record it.
+
+`answer`, when set, may answer a request itself (a canned model turn, e.g. a tool call the tiny
+random model would never make): it gets the Exchange and returns an SSE body, or None to forward.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -35,6 +39,7 @@ class Exchange:
     response_body: bytes = b""
     seconds: float = 0.0
     error: str | None = None
+    canned: bool = False  # answered by the proxy's `answer`, not by the server
     # (seconds since the request came in, bytes of the answer so far) at each chunk forwarded
     chunks: list[tuple[float, int]] = field(default_factory=list)
 
@@ -81,6 +86,7 @@ class RecordingProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.exchanges: list[Exchange] = []
+        self.answer: Callable[[Exchange], bytes | None] | None = None
         self._lock = threading.Lock()
         self._client = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
         proxy = self
@@ -98,6 +104,19 @@ class RecordingProxy:
                 exchange = Exchange(self.command, self.path, headers, body, time.monotonic())
                 with proxy._lock:
                     proxy.exchanges.append(exchange)
+                canned = proxy.answer(exchange) if proxy.answer is not None else None
+                if canned is not None:
+                    exchange.canned, exchange.status = True, 200
+                    exchange.response_headers = {"content-type": "text/event-stream"}
+                    exchange.response_body = canned
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("content-length", str(len(canned)))
+                    self.end_headers()
+                    self.wfile.write(canned)
+                    self.wfile.flush()
+                    exchange.seconds = time.monotonic() - exchange.started
+                    return
                 forward = {k: v for k, v in headers.items() if k not in HOP}
                 try:
                     request = proxy._client.build_request(self.command, proxy.upstream + self.path,

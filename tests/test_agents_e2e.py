@@ -29,6 +29,7 @@ import httpx
 import pytest
 from agent_checks import (MODEL_NAME, ROOT, anthropic_stream_problems, anthropic_usage,
                           build_agent_model, cached_fraction_anthropic, cached_fraction_responses,
+                          canned_anthropic_tool_use, canned_responses_function_call,
                           metric_totals, responses_stream_problems, responses_usage)
 from recording_proxy import Exchange, RecordingProxy
 
@@ -290,6 +291,58 @@ def test_claude_code_retries_in_a_session_hit_the_cache(claude_runs):
     assert min(fractions) >= 0.9, fractions
 
 
+@pytest.fixture(scope="module")
+def claude_tool_run(agents: Path, served: Served, tmp_path_factory) -> AgentRun:
+    """A `claude -p` run whose first answer is a canned tool call (Read README.md) from the proxy;
+    Claude Code runs the tool and the rest of the session goes to the server."""
+    root = tmp_path_factory.mktemp("claude-tool")
+    project, home = project_folder(root), root / "home"
+    home.mkdir()
+    calls = []
+
+    def answer(exchange: Exchange) -> bytes | None:
+        if calls:
+            return None
+        calls.append(exchange)
+        return canned_anthropic_tool_use("Read", {"file_path": str(project / "README.md")},
+                                         MODEL_NAME)
+
+    served.proxy.answer = answer
+    try:
+        run = run_agent([str(agents / "claude"), "-p", "list the files", "--output-format",
+                         "json", "--model", MODEL_NAME], claude_env(served, home), project,
+                        served)
+    finally:
+        served.proxy.answer = None
+    if RECORD:
+        record("claude_code_tool_result", run.exchanges[1:2],
+               {str(project): "/home/user/project", str(home): "/home/user",
+                str(project).replace("/", "-"): "-home-user-project",
+                served.proxy.url: "http://127.0.0.1:1234"})
+    return run
+
+
+def test_claude_code_tool_round_trip(claude_tool_run):
+    """The tool call's result goes to the server in the next request, is accepted, and the
+    requests after it (Claude Code's retries: reminders appended to the tool result's message)
+    read >= 90% of their prompt from the cache."""
+    run = claude_tool_run
+    assert run.exchanges and run.exchanges[0].canned, run.describe()
+    served_part = AgentRun(run.argv, run.returncode, run.stdout, run.stderr, run.seconds,
+                           run.exchanges[1:])
+    usages = check_anthropic_traffic(served_part)
+    check_claude_result(run)
+    messages = run.exchanges[1].json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "system", "assistant", "user"], messages
+    call = messages[2]["content"][0]
+    assert call["type"] == "tool_use" and call["id"] == "toolu_canned_0001", call
+    result = messages[3]["content"][0]
+    assert result["type"] == "tool_result" and result["tool_use_id"] == call["id"], result
+    assert "A tiny project for the agent tests" in json.dumps(result["content"]), result
+    fractions = [round(cached_fraction_anthropic(usage), 3) for usage in usages[1:]]
+    assert all(fraction >= 0.9 for fraction in fractions), fractions
+
+
 # ---- codex --------------------------------------------------------------------------------------
 
 def check_responses_traffic(run: AgentRun) -> list[dict]:
@@ -358,6 +411,49 @@ def test_codex_second_turn_hits_the_cache(codex_runs, served):
     assert cached_fraction_responses(second) >= 0.9, second
     cached = served.metrics().get("rewind_cached_prompt_tokens_total", 0)
     assert cached >= second["input_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def codex_tool_run(agents: Path, served: Served, tmp_path_factory) -> AgentRun:
+    """A `codex exec` turn whose first answer is a canned `exec_command` of `ls`."""
+    root = tmp_path_factory.mktemp("codex-tool")
+    project, home = project_folder(root), root / "home"
+    config = codex_home(served, root / "codex-home")
+    calls = []
+
+    def answer(exchange: Exchange) -> bytes | None:
+        if calls:
+            return None
+        calls.append(exchange)
+        return canned_responses_function_call("exec_command", {"cmd": "ls"}, MODEL_NAME)
+
+    served.proxy.answer = answer
+    try:
+        run = run_agent([str(agents / "codex"), "exec", "--skip-git-repo-check", "--sandbox",
+                         "read-only", "--json", "list the files"],
+                        {"HOME": str(home), "CODEX_HOME": str(config)}, project, served)
+    finally:
+        served.proxy.answer = None
+    if RECORD:
+        record("codex_tool_output", run.exchanges[1:2],
+               {str(project): "/home/user/project", str(config): "/home/user/.codex",
+                str(home): "/home/user", served.proxy.url: "http://127.0.0.1:1234"})
+    return run
+
+
+def test_codex_tool_round_trip(codex_tool_run):
+    """codex runs the canned `ls` in its sandbox and sends the output to the server, which takes
+    the function call and its output as part of the conversation."""
+    run = codex_tool_run
+    assert len(run.exchanges) >= 2 and run.exchanges[0].canned, run.describe()
+    check_responses_traffic(AgentRun(run.argv, run.returncode, run.stdout, run.stderr,
+                                     run.seconds, run.exchanges[1:]))
+    check_codex_result(run)
+    items = run.exchanges[1].json()["input"]
+    call = next(item for item in items if item.get("type") == "function_call")
+    output = next(item for item in items if item.get("type") == "function_call_output")
+    assert call["call_id"] == output["call_id"] == "call_canned_0001", items[-2:]
+    assert "README.md" in output["output"], output
 
 
 # ---- the recorded traffic, replayed -------------------------------------------------------------
@@ -505,3 +601,22 @@ def test_replayed_codex_traffic_succeeds_and_hits_the_cache(replay_server):
     assert usages[0]["input_tokens"] - bare["input_tokens"] >= 0.5 * tool_tokens, \
         (usages[0], bare, tool_tokens)
     assert metric_totals(replay_server.url).get("rewind_http_errors_total", 0) == 0
+
+
+def test_replayed_tool_turns_succeed(replay_server):
+    """Claude Code's request carrying a tool_use and its tool_result (after run 1's first
+    request, whose prompt it extends: >= 90% cached), and codex's carrying a function_call and
+    its output."""
+    first = fixture_requests("claude_code")[0]
+    replay(replay_server, first)
+    request = fixture_requests("claude_code_tool_result")[0]
+    assert [m["role"] for m in request["body"]["messages"]] == ["user", "system", "assistant",
+                                                                "user"]
+    events = replay(replay_server, request).sse_events()
+    assert not anthropic_stream_problems(events), anthropic_stream_problems(events)
+    assert cached_fraction_anthropic(anthropic_usage(events)[0]) >= 0.9
+    request = fixture_requests("codex_tool_output")[0]
+    kinds = [item.get("type") for item in request["body"]["input"]]
+    assert kinds[-2:] == ["function_call", "function_call_output"], kinds
+    events = replay(replay_server, request).sse_events()
+    assert not responses_stream_problems(events), responses_stream_problems(events)
