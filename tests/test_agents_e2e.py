@@ -9,8 +9,14 @@ streamed events come in the order the client expects; the agent ends normally (f
 never stops on its own within the server's --max-tokens 32, that is the agent's own "output
 limit reached" outcome, not a protocol error); and the prompt cache hits.
 
+One run of each agent gets a canned tool call from the proxy as its first answer, so the tool's
+result (which the random model would never cause) reaches the server as the agent sends it.
+
 The last tests replay tests/data/agent_traffic.json (recorded from these runs: set
 RECORD_AGENT_TRAFFIC=1 to record it again) against an in-process server; they need no npm.
+
+About a minute on 2 cores once the agents are installed; `-s` prints each agent run's time,
+requests and time to first token.
 """
 
 from __future__ import annotations
