@@ -92,12 +92,15 @@ def test_billing_header_and_system_messages_are_placed_as_content(live):
     assert count(live, merged) == as_sent
 
 
-def test_a_system_message_mid_conversation_becomes_part_of_a_user_turn(live):
+def test_system_messages_anywhere_join_the_system_prompt(live):
+    """Claude Code sends [user prompt, system environment block] and rewrites that user message
+    when it retries: as part of the system prompt, the block stays in the cached prefix."""
     messages = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
                 {"role": "system", "content": "<reminder>be brief</reminder>"},
                 {"role": "user", "content": "three"}]
-    folded = [*messages[:2], {"role": "user", "content": "<reminder>be brief</reminder>\n\nthree"}]
-    assert count(live, {"messages": messages}) == count(live, {"messages": folded})
+    hoisted = {"system": "<reminder>be brief</reminder>",
+               "messages": [m for m in messages if m["role"] != "system"]}
+    assert count(live, {"messages": messages}) == count(live, hoisted)
     reply = live.anthropic().messages.create(model=live.model, max_tokens=3, messages=messages)
     assert reply.usage.output_tokens >= 1
 

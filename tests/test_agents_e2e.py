@@ -275,13 +275,6 @@ def test_claude_code_second_run_hits_the_cache(claude_runs):
             assert cached_fraction_anthropic(usage) >= 0.5, usage
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Claude Code 2.1.332 sends messages=[user(prompt), system(environment block, ~9 KB)]; when "
-    "an answer is cut at max_tokens with nothing but thinking in it, it drops the answer and "
-    "appends its 'Output token limit hit' reminder to that first user message, before the "
-    "environment block. The server turns the trailing system-role message into a user turn "
-    "after the prompt, so each such retry diverges before the block and recomputes it: ~79% "
-    "cached here. Moved into the system prompt instead, the retry reads 98% from the cache."))
 def test_claude_code_retries_in_a_session_hit_the_cache(claude_runs):
     """Issue 14: from the second request of a session on, >= 90% of the prompt is cached."""
     first = claude_runs[0]
@@ -558,7 +551,7 @@ def test_replayed_claude_code_traffic_succeeds_and_hits_the_cache(replay_server)
         usages.append(start)
     assert usages[0]["cache_read_input_tokens"] == 0
     assert cached_fraction_anthropic(usages[1]) >= 0.9, usages[1]
-    assert cached_fraction_anthropic(usages[2]) >= 0.5, usages[2]  # >= 0.9: see the xfail above
+    assert cached_fraction_anthropic(usages[2]) >= 0.9, usages[2]
 
 
 def test_replayed_claude_code_tools_reach_the_prompt(replay_server):

@@ -75,21 +75,16 @@ def neutral_messages(body: CountTokensRequest,
                      add_image: Callable[[dict[str, Any]], str] | None = None) -> list[Message]:
     """`add_image(source)` takes an image block's source and returns its placeholder text."""
     out: list[Message] = []
-    system = _system_text(body.system)
-    if system:
-        out.append({"role": "system", "content": system})
+    system_texts = [text for text in [_system_text(body.system)] if text]
     for message in body.messages:
         if message.role == "system":
+            # Into the system prompt, wherever it stands: Claude Code sends [user prompt,
+            # system environment block] and, when it retries, rewrites that user message; a
+            # user turn made of the block after it would make every retry recompute the block.
+            # The block is the same on every turn, so the prefix stays put.
             text = _system_text(message.content)
-            if not text:
-                continue
-            if all(m["role"] == "system" for m in out):  # still before the conversation
-                if out:
-                    out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
-                else:
-                    out.append({"role": "system", "content": text})
-            else:  # mid-conversation: few templates take a system turn there; a user turn
-                out.append({"role": "user", "content": text})
+            if text:
+                system_texts.append(text)
             continue
         blocks = ([AnthropicBlock(type="text", text=message.content)]
                   if isinstance(message.content, str) else message.content)
@@ -134,6 +129,8 @@ def neutral_messages(body: CountTokensRequest,
                                   param="messages")
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
+    if system_texts:
+        out.insert(0, {"role": "system", "content": "\n\n".join(system_texts)})
     return _merge_user_turns(out)
 
 
