@@ -25,6 +25,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "parallel-chat": ("rewind.bench.parallel_chat", "four short chats at once: --parallel 4 vs 1"),
     "long-prompts-memory": ("rewind.bench.long_prompts_memory", "server RSS under four ~4k-token prompts"),
     "repeated-image": ("rewind.bench.repeated_image", "the same image prompt twice: cache vs none"),
+    "agent-session": ("rewind.bench.agent_session", "Claude Code's recorded session with and without the billing-header normalization"),
     "restart": ("rewind.bench.restart", "an agent session's next turn after a server restart, with and without --cache-persist"),
     "soak": ("rewind.bench.soak", "many streaming clients for a bounded time: errors, RSS drift, latency"),
     "fuzz": ("rewind.bench.fuzz", "schemathesis against every route of a live server (robustness)"),
