@@ -57,6 +57,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="rounds over every row (each row loads and runs again per round); "
                              "the report gives medians and min-max: memory bandwidth on a shared "
                              "machine moves decode by 20%% from minute to minute")
+    parser.add_argument("--json-schema", default=None, metavar="FILE|array",
+                        help="also measure decode through the engine with this JSON schema "
+                             "enforced (llguidance's mask each step) and without, side by side; "
+                             "'array' is an array of integers, which never has to close")
     parser.add_argument("--perplexity", type=Path, default=None, metavar="TEXT_FILE",
                         help="also give each Rewind row's perplexity on this text (its layers and "
                              "head, e.g. exact vs int8), up to 2,048 tokens")
@@ -320,6 +324,13 @@ def run(args: argparse.Namespace) -> int:
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:
         measures.append(lambda f=float32: measure_mlx_lm(path, tokens, args.gen_tokens, f, context))
+    if args.json_schema is not None:
+        from rewind.bench.constrained_speed import load_schema, measure_engine_decode
+
+        schema = load_schema(args.json_schema)
+        for constrained in (None, schema):
+            measures.append(lambda c=constrained: measure_engine_decode(
+                args.model, tokens, args.gen_tokens, c))
     if args.llama_cpp:
         measures.append(lambda: measure_llama_cpp(args.model, args.prompt_tokens, args.gen_tokens,
                                                   args.context))
