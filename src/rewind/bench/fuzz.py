@@ -38,6 +38,7 @@ class FuzzOutcome:
     seconds: float
     statuses: dict[str, int] = field(default_factory=dict)  # error answers the server counted
     report: dict[str, Any] = field(default_factory=dict)
+    output: str = ""  # schemathesis's own account (its report JSON names errors only by title)
 
     @property
     def server_errors(self) -> list[Any]:
@@ -90,7 +91,14 @@ def fuzz(url: str, seconds: float, seed: int = 0, workers: int = 2,
         report = json.loads(report_path.read_text())
     return FuzzOutcome(cases=report["test_cases"]["generated"], failures=report["failures"],
                        errors=report["errors"], exit_code=report["exit_code"], seconds=elapsed,
-                       statuses=error_statuses(url), report=report)
+                       statuses=error_statuses(url), report=report, output=finished.stdout)
+
+
+def _problems(output: str, limit: int = 6000) -> str:
+    """The part of schemathesis's console report that names what went wrong."""
+    start = min((i for i in (output.find("ERRORS"), output.find("FAILURES")) if i >= 0),
+                default=max(0, len(output) - limit))
+    return output[start:start + limit]
 
 
 def probe(url: str, model: str | None = None) -> dict[str, Any]:
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             outcome = fuzz(server.base_url, args.seconds, args.seed, args.workers)
             alive = server.process is not None and server.process.poll() is None
             after = probe(server.base_url) if alive else None
-            log_tail = server.log_tail(5)
+            log_tail = server.log_tail(40)
     same = after == before
     table = Table("Fuzzing every route", ["what", "outcome"], [
         ["cases generated", str(outcome.cases)],
@@ -167,8 +175,10 @@ def run(args: argparse.Namespace) -> int:
                               "valid_rates": outcome.report.get("valid_rates"),
                               "before": before, "after": after}],
                     tables=[table])
-    if not alive:
+    if not alive or outcome.failures or outcome.server_errors:
         report.notes.append(f"server log tail: {log_tail}")
+        report.notes.append("schemathesis's report, its errors and failures: "
+                            + _problems(outcome.output))
     for path in report.write(args.out, "fuzz"):
         print(f"wrote {path}")
     print(table.markdown())
