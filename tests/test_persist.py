@@ -282,7 +282,8 @@ def test_kill_9_during_a_burst_of_writes_then_restart(tiny_model_path, tmp_path)
     from rewind.bench.harness import ServerProcess, free_port
 
     folder = tiny_model_path("llama")
-    burst = [[(17 * i + k) % 500 + 3 for k in range(600)] for i in range(48)]
+    # More than the burst can send before the kill, however fast the machine.
+    burst = [[(17 * i + k) % 500 + 3 for k in range(600)] for i in range(2000)]
 
     def greedy(url: str, prompt: list[int]) -> tuple[list[str], int]:
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 0}
