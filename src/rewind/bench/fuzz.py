@@ -78,6 +78,9 @@ def fuzz(url: str, seconds: float, seed: int = 0, workers: int = 2,
         argv = [schemathesis_command(), "run", f"{url}/openapi.json", "--checks", CHECKS,
                 "--max-examples", str(examples), "--max-time", str(int(seconds)),
                 "--workers", str(workers), "--seed", str(seed), "--report", "json",
+                # Its default of 10 s reads a slow answer (a long fuzzed prompt on a CPU) as
+                # no answer at all.
+                "--request-timeout", "600",
                 "--report-json-path", str(report_path), "--no-color",
                 "--suppress-health-check", "all"]
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "rewind.bench.fuzz_checks"}
