@@ -19,7 +19,7 @@ from rewind.bench.report import Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
                                      command_line, model_files, out_stem, run_servers,
-                                     server_log_dir, server_of, startup_table)
+                                     server_commands, server_log_dir, server_of, startup_table)
 
 NAME = "parallel-chat"
 CHATS = (
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
             servers={label: describe_server(server_of(label)) for label in labels},
             fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
             summary={"per_server": summary, "runs": runs}, tables=[*tables, startup_table(runs)],
-            notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
+            notes=notes, commands=server_commands(runs)).write(
+                args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, options_for, make_workload(args),
                                        calibrate_tokens=0, log_dir=server_log_dir(),

@@ -202,7 +202,7 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                     "prefill_tps": prefill_tps, "workload_s": time.monotonic() - started,
                     "rss_marks": dict(sampler.marks), "rss_peak": sampler.peak(),
                     "rss_series": [(round(t, 2), rss) for t, rss in sampler.samples],
-                    "code": served_code(server),
+                    "code": served_code(server), "command": server.command,
                 }
             except ServerStartError as exc:
                 skipped.add(name)
@@ -220,6 +220,15 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             if on_progress is not None:
                 on_progress(records, runs, notes)
     return records, runs, notes
+
+
+def server_commands(runs: dict[str, Any]) -> dict[str, str]:
+    """label -> the command that started that server (its first run; later runs differ only in
+    the port), for the report."""
+    commands: dict[str, str] = {}
+    for info in runs.values():
+        commands.setdefault(info["server"], info["command"])
+    return commands
 
 
 def served_code(server: ServerProcess) -> str | None:

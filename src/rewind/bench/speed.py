@@ -14,12 +14,13 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from rewind.bench.machine import display_path
 
 RESULTS = Path("benchmarks/results")
 
@@ -112,7 +113,7 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
         "decode_head": head.form if head is not None else "mlx",
         "decode_layers": forward.form if forward is not None else "mlx",
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "model_path": str(loaded.path),
+        "model_path": display_path(loaded.path),
     }
     if perplexity_text is not None:
         result["perplexity"] = rewind_perplexity(model, loaded.tokenizer, perplexity_text)
@@ -210,7 +211,7 @@ def _measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: boo
         "decode_head": "mlx",
         "decode_layers": "mlx",
         "peak_memory_gb": last.peak_memory,
-        "model_path": str(path),
+        "model_path": display_path(path),
     }
     del model, tokenizer
     return result
@@ -247,7 +248,7 @@ def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int,
         "decode_head": "gguf",
         "decode_layers": "gguf",
         "peak_memory_gb": None,
-        "model_path": str(gguf),
+        "model_path": display_path(gguf),
     }
 
 
@@ -296,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from rewind import blas
-    from rewind.bench.machine import machine_info
+    from rewind.bench.machine import command_line, machine_info
     from rewind.models.loader import resolve
 
     path = resolve(args.model)
@@ -335,8 +336,7 @@ def run(args: argparse.Namespace) -> int:
     openblas = blas.openblas_active()
     out = args.json or RESULTS / ("speed.json" if openblas else "speed-no-openblas.json")
     report = {
-        "command": "rewind bench speed " + " ".join(sys.argv[sys.argv.index("speed") + 1:])
-        if "speed" in sys.argv else "rewind bench speed",
+        "command": command_line(),
         "model": args.model,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
