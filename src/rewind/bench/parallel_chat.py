@@ -1,8 +1,8 @@
 """parallel-chat: four short chats sent at once, each stopping naturally, with the server at
 --parallel 4 and at --parallel 1: the end-to-end time of the four, its ratio, and output tokens.
 
-The seed's own benchmark (LM Studio's engine reported 2.2x), now side by side. llama-cpp-python
-serves one request at a time whatever it is told, so it runs once and its four chats queue.
+The seed's own benchmark (LM Studio's engine reported 2.2x), now side by side: every server runs
+at both settings (llama-server with -np 4 and -np 1).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ CHATS = (
     "Write a haiku about the sea.",
     "In two sentences, what does a compiler do?",
 )
-SERIAL_ONLY = {"llama.cpp"}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +38,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def labels_for(servers: list[str], parallel: int) -> list[str]:
-    labels = []
-    for name in servers:
-        if name in SERIAL_ONLY:
-            labels.append(name)
-        else:
-            labels += [f"{name}@p{parallel}", f"{name}@p1"]
-    return labels
+    return [label for name in servers for label in (f"{name}@p{parallel}", f"{name}@p1")]
 
 
 def options_for(label: str) -> ServerOptions:
