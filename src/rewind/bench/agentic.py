@@ -21,7 +21,7 @@ from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
                                      command_line, model_files, out_stem, run_servers,
-                                     server_log_dir, startup_table)
+                                     server_commands, server_log_dir, startup_table)
 from rewind.bench.textgen import AgenticText, Turn, agent_messages
 
 NAME = "agentic"
@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
             fairness=FAIRNESS + [CONCURRENCY_NOTE],
             records=records, summary={"per_server": summary, "runs": runs},
             tables=[*tables, startup_table(runs)], plots=plots,
-            notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
+            notes=notes, commands=server_commands(runs)).write(
+                args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(
         args, names, model, lambda name: options, make_workload(args, system, scripts),

@@ -121,6 +121,13 @@ class ServerProcess:
     ready_seconds: float = 0.0
 
     @property
+    def command(self) -> str:
+        """The command line as a user would type it (for the reports)."""
+        from rewind.bench.machine import user_command
+
+        return user_command(self.argv)
+
+    @property
     def base_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 

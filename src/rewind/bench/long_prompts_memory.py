@@ -18,7 +18,7 @@ from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
                                      command_line, model_files, out_stem, run_servers,
-                                     server_log_dir, server_of, startup_table)
+                                     server_commands, server_log_dir, server_of, startup_table)
 from rewind.bench.textgen import AgenticText
 
 NAME = "long-prompts-memory"
@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
             fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
             summary={"per_server": summary, "runs": runs},
             tables=[*tables, startup_table(runs)], plots=plots,
-            notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
+            notes=notes, commands=server_commands(runs)).write(
+                args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, make_options(args),
                                        make_workload(args, prompts), calibrate_tokens=0,

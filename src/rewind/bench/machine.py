@@ -48,7 +48,7 @@ def code_version() -> dict[str, Any]:
     import rewind
 
     source = Path(rewind.__file__).resolve().parent
-    info: dict[str, Any] = {"rewind_source": str(source), "rewind_commit": None,
+    info: dict[str, Any] = {"rewind_source": display_path(source), "rewind_commit": None,
                             "rewind_src_dirty": None}
     try:
         commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"],
@@ -97,10 +97,56 @@ def machine_markdown(info: dict[str, Any]) -> str:
     return "\n".join(f"- {key}: {value}" for key, value in info.items())
 
 
-def command_line() -> str:
-    """The command that made a results file, as a person would type it again."""
+def repo_root() -> Path:
+    """The repository of the `rewind` under test (src/rewind -> the folder above src/)."""
+    import rewind
+
+    return Path(rewind.__file__).resolve().parents[2]
+
+
+def display_path(path: str | Path) -> str:
+    """A path as a user would type it: relative to the repository when inside it, `~/...` when
+    under the home folder, else as it is. Results then read the same on every machine."""
+    resolved = Path(path).expanduser().absolute()
+    for base, prefix in ((repo_root(), ""), (Path.home(), "~/")):
+        try:
+            relative = resolved.relative_to(base)
+        except ValueError:
+            continue
+        return prefix + str(relative) if str(relative) != "." else (prefix.rstrip("/") or ".")
+    return str(path)
+
+
+def _quote(word: str) -> str:
+    """shlex.quote, except that a leading `~/` stays outside the quotes (so the shell expands it)."""
     import shlex
 
+    return "~/" + shlex.quote(word[2:]) if word.startswith("~/") else shlex.quote(word)
+
+
+def _display_arg(arg: str) -> str:
+    """One argument, quoted for a shell, with any absolute path in it (`/x/y` or `--opt=/x/y`)
+    shown by display_path."""
+    option, equals, value = arg.partition("=")
+    if equals and option.startswith("-") and value.startswith("/"):
+        return f"{_quote(option)}={_quote(display_path(value))}"
+    return _quote(display_path(arg) if arg.startswith("/") else arg)
+
+
+def user_command(argv: list[str]) -> str:
+    """A child process's argv as a user would type it: `python -m rewind ...` -> `rewind ...`,
+    `python -m mlx_lm server` -> `mlx_lm server`, paths by display_path."""
+    words = list(argv)
+    if len(words) >= 3 and words[1] == "-m" and Path(words[0]).name.startswith("python"):
+        words = words[2:]  # the module's console script has the module's name
+    return " ".join(_display_arg(word) for word in words)
+
+
+def command_line() -> str:
+    """The command that made a results file, as a person would type it again (paths relative to
+    the repository, see display_path)."""
     argv = sys.argv[1:]
-    # Through `rewind` the argv starts at the subcommand; keep it readable either way.
-    return "rewind " + shlex.join(argv) if argv and argv[0] == "bench" else shlex.join(sys.argv)
+    # Through `python -m rewind` or `rewind` the argv starts at the subcommand.
+    if argv and argv[0] == "bench":
+        return user_command(["rewind", *argv])
+    return user_command(sys.argv)

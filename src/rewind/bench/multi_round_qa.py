@@ -20,7 +20,7 @@ from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
                                      command_line, model_files, out_stem, run_servers,
-                                     server_log_dir, server_of, startup_table)
+                                     server_commands, server_log_dir, server_of, startup_table)
 from rewind.bench.textgen import AgenticText
 
 NAME = "multi-round-qa"
@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
                                  "differ slightly between servers (token counts are reported)."],
             records=records, summary={"per_server": summary, "runs": runs},
             tables=[*tables, startup_table(runs)],
-            plots=plots, notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
+            plots=plots, notes=notes, commands=server_commands(runs)).write(
+                args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, lambda label: options,
                                        make_workload(args, system, scripts),

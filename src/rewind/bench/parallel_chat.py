@@ -1,8 +1,8 @@
 """parallel-chat: four short chats sent at once, each stopping naturally, with the server at
 --parallel 4 and at --parallel 1: the end-to-end time of the four, its ratio, and output tokens.
 
-The seed's own benchmark (LM Studio's engine reported 2.2x), now side by side. llama-cpp-python
-serves one request at a time whatever it is told, so it runs once and its four chats queue.
+The seed's own benchmark (LM Studio's engine reported 2.2x), now side by side: every server runs
+at both settings (llama-server with -np 4 and -np 1).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rewind.bench.report import Report, Table, fmt_spread, spread
 from rewind.bench.servers import ServerOptions, describe_server
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
                                      command_line, model_files, out_stem, run_servers,
-                                     server_log_dir, server_of, startup_table)
+                                     server_commands, server_log_dir, server_of, startup_table)
 
 NAME = "parallel-chat"
 CHATS = (
@@ -28,7 +28,6 @@ CHATS = (
     "Write a haiku about the sea.",
     "In two sentences, what does a compiler do?",
 )
-SERIAL_ONLY = {"llama.cpp"}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +38,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def labels_for(servers: list[str], parallel: int) -> list[str]:
-    labels = []
-    for name in servers:
-        if name in SERIAL_ONLY:
-            labels.append(name)
-        else:
-            labels += [f"{name}@p{parallel}", f"{name}@p1"]
-    return labels
+    return [label for name in servers for label in (f"{name}@p{parallel}", f"{name}@p1")]
 
 
 def options_for(label: str) -> ServerOptions:
@@ -140,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
             servers={label: describe_server(server_of(label)) for label in labels},
             fairness=FAIRNESS + [CONCURRENCY_NOTE], records=records,
             summary={"per_server": summary, "runs": runs}, tables=[*tables, startup_table(runs)],
-            notes=notes).write(args.out, out_stem(NAME, args.quick, args.tag))
+            notes=notes, commands=server_commands(runs)).write(
+                args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(args, labels, model, options_for, make_workload(args),
                                        calibrate_tokens=0, log_dir=server_log_dir(),

