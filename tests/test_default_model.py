@@ -112,8 +112,11 @@ def test_ctrl_c_during_conversion_leaves_nothing(tmp_path):
 
     out = tmp_path / "models" / "interrupted"
     log = (tmp_path / "log").open("w")  # a file, not a pipe: a full pipe would block the progress bar
+    # A suite started in the background (`cmd &`) runs with SIGINT ignored, which children
+    # inherit and Python then keeps: give the converter the default disposition a terminal has.
     process = subprocess.Popen([sys.executable, "-m", "rewind", "convert", str(default_gguf()), "--out", str(out)],
-                               stdout=log, stderr=log)
+                               stdout=log, stderr=log,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not list(out.parent.glob(".interrupted.partial-*")) and time.monotonic() < deadline:
