@@ -26,11 +26,11 @@ def chat_args(**overrides) -> argparse.Namespace:
 
 def fresh_reply(loaded, tokens: list[int], max_tokens: int) -> str:
     """The reply to `tokens` computed from nothing: no live cache, no prompt cache."""
-    from mlx_lm.sample_utils import make_sampler
+    from rewind.engine import SamplingParams
 
     cache = new_cache(loaded.model, None, None)
     return "".join(stream_reply(loaded.model, loaded.tokenizer, tokens, cache,
-                                make_sampler(0.0), max_tokens, ReplyStats()))
+                                SamplingParams(temperature=0.0), max_tokens, ReplyStats()))
 
 
 @pytest.mark.parametrize("use_prompt_cache", [True, False])

@@ -72,7 +72,7 @@ def test_cpu_kernels_give_the_mlx_answer(default_model):
     prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of " * 40)
 
     def trace(model):
-        steps = list(generate_tokens(model, prompt, max_tokens=24, prefill_chunk=256))
+        steps = list(generate_tokens(model, prompt, max_tokens=24))
         return [t for t, _ in steps], np.stack([np.array(lp) for _, lp in steps])
 
     tokens, logprobs = trace(default_model.model)

@@ -42,15 +42,17 @@ def loaded(tiny_model_path: Callable[[str], Path]):
     return get
 
 
-def test_chunk_ends_land_on_block_boundaries() -> None:
-    assert chunk_ends(0, 1000, 512) == [512, 1000]
-    assert chunk_ends(0, 512, 512) == [512]
-    assert chunk_ends(100, 900, 512) == [512, 900]  # a restored cache at 100 realigns first
-    assert chunk_ends(0, 700, 300) == [256, 512, 700]  # chunk rounds down to whole blocks
+def test_chunk_ends_follow_one_grid() -> None:
+    # Grid multiples, the last token alone, the end.
+    assert chunk_ends(0, 1000, 256) == [256, 512, 768, 999, 1000]
+    assert chunk_ends(0, 512, 256) == [256, 511, 512]
+    assert chunk_ends(100, 300, 64) == [128, 192, 256, 299, 300]  # a restore realigns first
+    assert chunk_ends(0, 300, 64, stops=[70, 300, 400]) == [64, 70, 128, 192, 256, 299, 300]
     assert chunk_ends(5, 6, 256) == [6]
-    ends = chunk_ends(37, 5000, 1024)
-    assert all(end % BLOCK_TOKENS == 0 for end in ends[:-1]) and ends[-1] == 5000
-    assert all(b - a <= 1024 for a, b in zip([37, *ends], ends))
+    ends = chunk_ends(37, 5000, 64)
+    assert all(end % BLOCK_TOKENS == 0 for end in ends if end in range(256, 4999, 256))
+    assert set(range(256, 5000, 256)) <= set(ends)  # every block boundary is a call's end
+    assert all(b - a <= 64 for a, b in zip([37, *ends], ends)) and ends[-1] == 5000
 
 
 def test_split_is_known_for_every_tiny_family(loaded, tiny_family: str) -> None:
@@ -97,7 +99,7 @@ def test_chunked_prefill_equals_one_shot(loaded, tiny_family: str) -> None:
     tokens = _prompt(530, 512, seed=11)
     boundaries: list[int] = []
     chunked_cache = make_prompt_cache(model)
-    chunked = prefill_prompt(model, mx.array(tokens), chunked_cache, chunk=256,
+    chunked = prefill_prompt(model, mx.array(tokens), chunked_cache,
                              on_boundary=lambda position, _cache: boundaries.append(position))
     assert boundaries == [256, 512]
     one_shot = last_logits(model, mx.array([tokens]), make_prompt_cache(model))
@@ -116,7 +118,7 @@ def test_generate_tokens_greedy_equals_mlx_lm(loaded, tiny_family: str) -> None:
 
     model = loaded(tiny_family).model
     prompt = _prompt(280, 512, seed=5)
-    ours = [token for token, _ in generate_tokens(model, prompt, max_tokens=16, prefill_chunk=256)]
+    ours = [token for token, _ in generate_tokens(model, prompt, max_tokens=16)]
     theirs = [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=16,
                                                    sampler=lambda lp: mx.argmax(lp, axis=-1))]
     assert ours == theirs

@@ -7,7 +7,7 @@ covers only float rounding from chunk shapes: a restored prefix ends the prefill
 position than a cold one, so the suffix runs in other matmul shapes. Where the chunking is the
 same the results are bit for bit equal (tests/test_records.py checks that).
 
-Prefill is driven by rewind.cache.prefill_with_cache, the way the engine drives PromptCache:
+Prefill is driven by rewind.engine.single.prefill_with_cache, the way the engine drives PromptCache:
 chunks end on 256-token boundaries, message boundaries and len - 1, with a checkpoint at each.
 """
 
@@ -24,7 +24,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from rewind.cache import BlockExtras, PromptCache, prefill_with_cache
+from rewind.cache import BlockExtras, PromptCache
+from rewind.engine.single import prefill_with_cache
 from rewind.config import CacheConfig
 
 LOGIT_ATOL = 1e-4  # tiny float32 models: logits of magnitude ~1-10

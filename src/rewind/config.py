@@ -59,14 +59,39 @@ class CacheConfig:
     disk_faults: DiskFaults | None = None
 
 
+# Model calls of a prefill end on multiples of this many prompt tokens (it divides the block
+# size, so checkpoints stay chunk ends). On the CPU a call's cost grows with its tokens, and a
+# decoding row waits for the chunk that shares its step: 64 keeps that wait near one decode step
+# of a small model. On a GPU a call of 256 costs little more than one of 64.
+CPU_CHUNK_TOKENS = 64
+GPU_CHUNK_TOKENS = BLOCK_TOKENS
+
+
+def default_chunk_tokens() -> int:
+    import mlx.core as mx
+
+    return CPU_CHUNK_TOKENS if mx.default_device() == mx.cpu else GPU_CHUNK_TOKENS
+
+
 @dataclass
 class EngineConfig:
     parallel: int = 4
     max_queue: int = 64
-    prefill_chunk: int = 512  # a multiple of BLOCK_TOKENS: chunks end on checkpoint boundaries
+    # Prompt tokens per step when no sequence is decoding (several chunks, one call each).
+    prefill_chunk: int = 512
+    # Tokens per step while sequences decode: the decoding rows plus prompt chunks up to this
+    # budget (at least one chunk, so prompts never starve behind a full batch).
+    mixed_prefill_tokens: int | None = None  # None: the chunk size plus `parallel`
+    chunk_tokens: int | None = None  # the prefill call grid; None: by backend (above)
     max_kv_size: int | None = None
     kv_bits: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def resolved_mixed_prefill_tokens(self) -> int:
+        if self.mixed_prefill_tokens is not None:
+            return self.mixed_prefill_tokens
+        chunk = self.chunk_tokens if self.chunk_tokens is not None else default_chunk_tokens()
+        return chunk + self.parallel
 
 
 @dataclass

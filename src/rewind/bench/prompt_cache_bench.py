@@ -3,7 +3,7 @@ without; restore speed from disk against prefill speed; RSS over many conversati
 tier and with every record kept in RAM. In-process on Gemma 3 270M (no server, no HTTP).
 
 Each turn's prompt is the previous prompt plus the assistant's answer (its reasoning dropped by
-the client, as agents do) and a tool result. Prefill goes through rewind.cache.prefill_with_cache:
+the client, as agents do) and a tool result. Prefill goes through rewind.engine.single.prefill_with_cache:
 chunks end on 256-token boundaries, at the end of the last message and at len - 1, with a
 checkpoint at each; time to first token is restore + prefill + the last position's logits.
 """
@@ -63,7 +63,7 @@ def session_prompts(tokenizer: Any, turns: int, system_tokens: int, tool_tokens:
 
 
 def _timed_prefill(model: Any, tokens: list[int], boundary: int, cache: Any) -> tuple[float, Any]:
-    from rewind.cache import prefill_with_cache
+    from rewind.engine.single import prefill_with_cache
 
     started = time.perf_counter()
     result = prefill_with_cache(model, tokens, cache, checkpoints=[boundary] if boundary else [])

@@ -2,6 +2,6 @@
 disk tier, and restore of the longest cached prefix (see prompt_cache.py for the design)."""
 
 from rewind.cache.blocks import BlockExtras
-from rewind.cache.prompt_cache import Prefilled, PromptCache, Restored, prefill_with_cache
+from rewind.cache.prompt_cache import PromptCache, Restored
 
-__all__ = ["BlockExtras", "Prefilled", "PromptCache", "Restored", "prefill_with_cache"]
+__all__ = ["BlockExtras", "PromptCache", "Restored"]

@@ -25,14 +25,21 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.cache import records as rec
-from rewind.cache.blocks import BlockChain, BlockExtras, BlockIdentity, images_digest, root_key
+from rewind.cache.blocks import (
+    BlockChain,
+    BlockExtras,
+    BlockIdentity,
+    images_digest,
+    root_key,
+)
 from rewind.cache.ram_tier import RamTier
 from rewind.cache.serialize import Record
 from rewind.config import CacheConfig, default_disk_budget
@@ -453,60 +460,3 @@ class PromptCache:
 
 
 # ---- the reference driver ------------------------------------------------------------------------
-
-
-@dataclass
-class Prefilled:
-    """A prompt run through the model: the live cache, the last position's logits [1, vocab],
-    and what the prompt cache restored (None without a prompt cache)."""
-
-    cache: list
-    logits: Any
-    restored: Restored | None
-
-
-def prefill_with_cache(
-    model: Any,
-    tokens: Sequence[int],
-    prompt_cache: PromptCache | None,
-    extras: BlockExtras | None = None,
-    checkpoints: Sequence[int] = (),
-    max_kv_size: int | None = None,
-) -> Prefilled:
-    """Restore, prefill the rest in chunks that end on block boundaries, checkpoint, and return
-    the last position's logits: how an engine is meant to drive PromptCache, used by the tests,
-    the benchmark and single-process chat.
-
-    Checkpoints: every multiple of block_tokens, every position in `checkpoints` (message
-    boundaries), and len(tokens) - 1. That last one, not len(tokens), because a restore always
-    leaves one token to compute: a point at len - 1 serves both an exact repeat of this prompt
-    and the next turn, which extends it."""
-    import mlx.core as mx
-
-    tokens = list(tokens)
-    if not tokens:
-        raise ValueError("empty prompt")
-    step = prompt_cache.block_tokens if prompt_cache is not None else 256
-    if prompt_cache is None:
-        cache, position, restored = make_prompt_cache(model, max_kv_size=max_kv_size), 0, None
-    else:
-        restored = prompt_cache.restore(tokens, extras, max_kv_size=max_kv_size)
-        cache, position = restored.cache, restored.tokens
-    # The same chunking with and without a prompt cache, so the two differ only by the restore.
-    # The last token goes alone: only its logits are needed, and the model computes the output
-    # projection for every position of the chunk that produces them.
-    stops = set(range(step, len(tokens), step)) | {p for p in checkpoints if 0 < p < len(tokens)}
-    if len(tokens) > 1:
-        stops.add(len(tokens) - 1)
-    logits = None
-    for end in sorted(p for p in stops | {len(tokens)} if p > position):
-        output = model(mx.array([tokens[position:end]]), cache=cache)
-        if end == len(tokens):
-            logits = output[:, -1, :]
-            mx.eval(logits, [layer.state for layer in cache])
-        else:
-            mx.eval([layer.state for layer in cache])
-        position = end
-        if prompt_cache is not None and end < len(tokens):
-            prompt_cache.checkpoint(tokens[:end], cache, extras)
-    return Prefilled(cache=cache, logits=logits, restored=restored)

@@ -28,7 +28,7 @@ from rewind.commands.generate import (
     check_sampling_args,
     fail,
     load_or_explain,
-    make_sampler_from,
+    sampling_params_from,
     new_cache,
     print_report,
     reuse_cache,
@@ -60,7 +60,7 @@ class ChatSession:
         self.loaded = loaded
         self.args = args
         self.prompt_cache = prompt_cache
-        self.sampler = make_sampler_from(args)
+        self.sampling = sampling_params_from(args)
         self.thinking = loaded.tokenizer.has_thinking and not args.no_think
         self.reset()
 
@@ -121,7 +121,7 @@ class ChatSession:
                 self.prompt_cache.checkpoint(tokens[:n], cache)
 
         pieces: list[str] = []
-        for text in stream_reply(model, tokenizer, tokens[done:], cache, self.sampler,
+        for text in stream_reply(model, tokenizer, tokens[done:], cache, self.sampling,
                                  self.args.max_tokens, stats, self.fed,
                                  on_checkpoint=checkpoint, stops=points):
             pieces.append(text)
@@ -197,10 +197,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     check_sampling_args(args)
-    if args.seed is not None:
-        import mlx.core as mx
-
-        mx.random.seed(args.seed)
     loaded = load_or_explain(args.model, args.cpu_weights)
     if not loaded.tokenizer.has_chat_template:
         raise UserError(f"{args.model} has no chat template; use `rewind generate` instead")

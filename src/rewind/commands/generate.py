@@ -2,10 +2,10 @@
 
 The pieces that `rewind chat` and `rewind cache-prompt` share with it live here too: loading a
 model with a clear error, the sampling and cache-shape options, building a cache, the reply stream
-and the --verbose report. Generation runs on rewind.engine.single (logits only for the last prompt token, the engine's
-fast output head, the next step queued before the current token is read); the prompt goes
-through `prefill` here first, so callers can checkpoint at block and message boundaries and
-know exactly which tokens the cache holds.
+and the --verbose report. The prompt goes through the engine's runner (its chunk grid, its
+output head for the last position only), with checkpoint hooks at block and message boundaries;
+generation through rewind.engine.single with the server's sampler (the next step queued before
+the current token is read), so callers know exactly which tokens the cache holds.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rewind.engine.request import SamplingParams
 
 DEFAULT_MODEL = "default"
-PREFILL_CHUNK = 512  # tokens per forward pass in prefill (a multiple of BLOCK_TOKENS)
 
 
 class UserError(Exception):
@@ -75,10 +77,12 @@ def check_sampling_args(args: argparse.Namespace) -> None:
         raise UserError("--max-kv-size must be at least 1")
 
 
-def make_sampler_from(args: argparse.Namespace) -> Any:
-    from mlx_lm.sample_utils import make_sampler
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    """The server's sampling settings for these flags (one sampler for every path)."""
+    from rewind.engine.request import SamplingParams
 
-    return make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    return SamplingParams(temperature=args.temp, top_p=args.top_p, min_p=args.min_p,
+                          top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +96,7 @@ def load_or_explain(name_or_path: str, cpu_weights: str = "exact") -> Any:
     try:
         from rewind.models.registry import ModelNotFoundError
     except ImportError:  # the registry is not built yet: the loader raises FileNotFoundError
-        ModelNotFoundError = FileNotFoundError  # noqa: N806
+        ModelNotFoundError = FileNotFoundError
     try:
         return load_model(name_or_path, **cpu_weight_options(cpu_weights))
     except (ModelNotFoundError, FileNotFoundError) as exc:
@@ -208,34 +212,28 @@ class ReplyStats:
 
 def prefill(model: Any, tokens: Sequence[int], cache: list[Any], start: int = 0,
             on_checkpoint: Callable[[int], None] | None = None,
-            stops: Sequence[int] = ()) -> None:
-    """Feed `tokens` into `cache` (which already holds `start` tokens) without computing logits,
-    in chunks that end on multiples of BLOCK_TOKENS and on `stops` (absolute positions, such as
-    message boundaries). `on_checkpoint(n)` runs whenever the cache holds n tokens with n a
-    multiple of BLOCK_TOKENS, one of `stops`, or the end (where a prompt cache checkpoints)."""
-    import mlx.core as mx
-
+            stops: Sequence[int] = (), logits: bool = False) -> Any:
+    """Feed `tokens` into `cache` (which already holds `start` tokens) in the engine's calls
+    (rewind.engine.runner: its chunk grid, and `stops`, absolute positions such as message
+    boundaries). `on_checkpoint(n)` runs whenever the cache holds n tokens with n a multiple of
+    BLOCK_TOKENS, one of `stops`, or the prompt's last token but one (where a prompt cache
+    checkpoints). Returns the last position's logits [1, vocab] when `logits`."""
     from rewind.config import BLOCK_TOKENS
-    from rewind.engine.forward import prefill as forward_prefill
+    from rewind.engine.runner import ModelRunner
 
-    position, end = start, start + len(tokens)
-    while position < end:
-        # The last boundary within PREFILL_CHUNK tokens, or the next one if that is further.
-        next_boundary = (position // BLOCK_TOKENS + 1) * BLOCK_TOKENS
-        stop = min(end, max(next_boundary,
-                            (position + PREFILL_CHUNK) // BLOCK_TOKENS * BLOCK_TOKENS),
-                   *(p for p in stops if p > position))
-        chunk = tokens[position - start:stop - start]
-        forward_prefill(model, mx.array(list(chunk))[None], cache)
-        position = stop
-        if on_checkpoint is not None and (position % BLOCK_TOKENS == 0 or position == end
-                                          or position in stops):
+    end = start + len(tokens)
+    points = set(stops)
+
+    def on_chunk(position: int, _: list[Any]) -> None:
+        if on_checkpoint is not None and (position % BLOCK_TOKENS == 0 or position in points
+                                          or position == end - 1):
             on_checkpoint(position)
-        mx.clear_cache()
+
+    return ModelRunner(model).prefill(cache, tokens, start, points, on_chunk, logits=logits)
 
 
 def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[Any],
-                 sampler: Any, max_tokens: int, stats: ReplyStats,
+                 params: SamplingParams, max_tokens: int, stats: ReplyStats,
                  fed: list[int] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None,
                  stops: Sequence[int] = ()) -> Iterator[str]:
@@ -244,11 +242,14 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
     the cache holds: the prompt, and the generated tokens up to one past the last one read
     (the generator queues the next step before the current token is read). Fills `stats`.
 
-    The prompt but its last token goes through `prefill` (checkpoint hooks, no logits); the
-    last token and the decode loop through rewind.engine.single, the engine's fast path."""
+    The prompt goes through the engine's runner (its calls, checkpoint hooks) and the decode
+    loop through rewind.engine.single with the server's sampler, so the same settings give the
+    same tokens as the server."""
     import mlx.core as mx
 
-    from rewind.engine.single import generate_tokens
+    from rewind.engine.runner import ModelRunner
+    from rewind.engine.sampler import SequenceSampler
+    from rewind.engine.single import decode_tokens
 
     fed = [] if fed is None else fed
     if not tokens:
@@ -256,9 +257,10 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
     eos = set(tokenizer.eos_token_ids)
     started = time.perf_counter()
     stats.prompt_tokens = len(tokens)
-    prefill(model, tokens[:-1], cache, start=len(fed), on_checkpoint=on_checkpoint, stops=stops)
+    logits = prefill(model, tokens, cache, len(fed), on_checkpoint, stops, logits=True)
     fed.extend(tokens)
-    generator = generate_tokens(model, list(tokens[-1:]), sampler, cache, max_tokens)
+    sampler = SequenceSampler(params, list(fed), int(logits.shape[-1]))
+    generator = decode_tokens(ModelRunner(model), logits, cache, sampler, max_tokens)
     detokenizer = tokenizer.detokenizer
     generation_started = started
     stats.finish_reason = "length"
@@ -377,13 +379,9 @@ def _generate(args: argparse.Namespace) -> int:
             done = 0
     stats.cached_tokens = done
 
-    if args.seed is not None:
-        import mlx.core as mx
-
-        mx.random.seed(args.seed)
-    sampler = make_sampler_from(args)
     fed = list(tokens[:done])
-    for text in stream_reply(loaded.model, tokenizer, tokens[done:], cache, sampler,
+    for text in stream_reply(loaded.model, tokenizer, tokens[done:], cache,
+                             sampling_params_from(args),
                              args.max_tokens, stats, fed):
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.config import EngineConfig
+from rewind.config import BLOCK_TOKENS, EngineConfig
 from rewind.memory import release_free_heap
 from rewind.engine.grammar import GrammarBackend
 from rewind.engine.request import (
@@ -29,6 +29,7 @@ from rewind.engine.request import (
     Usage,
 )
 from rewind.engine.sampler import SequenceSampler
+from rewind.engine.runner import ModelRunner, engine_chunk_tokens
 from rewind.engine.scheduler import SampleListener, Scheduler, Sequence
 from rewind.engine.stops import TextStream
 
@@ -188,7 +189,11 @@ class Engine:
         self._grammar = GrammarBackend(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._listeners: list[SampleListener] = [self._record_sample]
         self._samples: dict[str, deque[float]] = {}
-        self._scheduler = Scheduler(loaded.model, loaded.tokenizer, self.config, prompt_cache,
+        block_tokens = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
+        self.runner = ModelRunner(
+            loaded.model, max_kv_size=self.config.max_kv_size,
+            chunk_tokens=engine_chunk_tokens(self.config.chunk_tokens, block_tokens))
+        self._scheduler = Scheduler(self.runner, self.config, prompt_cache,
                                     self.eos_token_ids, self._listeners)
         self._wakeup = threading.Event()
         self._stopping = threading.Event()

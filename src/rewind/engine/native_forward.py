@@ -309,14 +309,29 @@ class NativeForward:
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
-        h = self._embeddings(inputs, input_embeddings)
-        batch, length = h.shape[0], h.shape[1]
-        rows = batch * length
-        x = np.array(h.reshape(rows, self.hidden_size))  # a fresh, writable copy
+        return self.forward_segments([(inputs, cache, input_embeddings)])[0]
+
+    def forward_segments(self, segments: list[tuple[mx.array, list[Any] | None, mx.array | None]]
+                         ) -> list[mx.array]:
+        """Several (inputs [B, L], cache, input_embeddings) blocks in one pass: their rows share
+        every matrix product (each weight is read once for all of them; each row's result is
+        the same as alone, as the kernels compute every row on its own), and each block attends
+        over its own cache. Returns each block's output [B, L, hidden]."""
+        hs = [self._embeddings(inputs, embeds) for inputs, _, embeds in segments]
+        shapes = [(int(h.shape[0]), int(h.shape[1])) for h in hs]
+        counts = [batch * length for batch, length in shapes]
+        rows = sum(counts)
+        # A fresh, writable copy of every block's rows, one after another.
+        x = np.concatenate([np.array(h.reshape(count, self.hidden_size))
+                            for h, count in zip(hs, counts)]) if len(hs) > 1 else \
+            np.array(hs[0].reshape(rows, self.hidden_size))
         qkv, scratch, attended = self._buffers(rows)
-        masks = self._masks(batch, length, cache)
-        positions = np.ascontiguousarray(
-            (_offsets(cache, batch)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1))
+        masks = [self._masks(batch, length, cache)
+                 for (batch, length), (_, cache, _) in zip(shapes, segments)]
+        positions = np.ascontiguousarray(np.concatenate([
+            (_offsets(cache, batch)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)
+            for (batch, length), (_, cache, _) in zip(shapes, segments)]))
+        bounds = np.cumsum([0, *counts])
         k = self._kernels
         for index, layer in enumerate(self.layers):
             status = k.layer_pre(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
@@ -324,8 +339,11 @@ class NativeForward:
                                  layer.inv_freq.ctypes.data, qkv.ctypes.data, scratch.ctypes.data)
             if status:
                 raise RuntimeError(f"layer_pre failed with status {status}")
-            self._attention(layer, cache[index] if cache else None, masks[layer.sliding],
-                            qkv, attended, batch, length)
+            for block, ((batch, length), (_, cache, _)) in enumerate(zip(shapes, segments)):
+                first, last = bounds[block], bounds[block + 1]
+                self._attention(layer, cache[index] if cache else None,
+                                masks[block][layer.sliding], qkv[first:last],
+                                attended[first:last], batch, length)
             status = k.layer_post(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
                                   x.ctypes.data, rows, attended.ctypes.data,
                                   scratch.ctypes.data)
@@ -334,7 +352,9 @@ class NativeForward:
         normed = np.empty_like(x)
         k.rows_rms_norm(x.ctypes.data, self.norm.ctypes.data, self.eps, rows, self.hidden_size,
                         normed.ctypes.data)
-        return mx.array(normed).reshape(batch, length, self.hidden_size)
+        out = mx.array(normed)
+        return [out[bounds[i]:bounds[i + 1]].reshape(batch, length, self.hidden_size)
+                for i, (batch, length) in enumerate(shapes)]
 
     @staticmethod
     def _attention(layer: _NativeLayer, layer_cache: Any, mask: Any, qkv: np.ndarray,

@@ -68,6 +68,13 @@ class SequenceSampler:
         return p.greedy and not self._processes and not p.logprobs
 
     @property
+    def needs_history(self) -> bool:
+        """Each step's logits depend on the tokens accepted before it (penalties, grammars)."""
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0 or self.constraint is not None)
+
+    @property
     def _processes(self) -> bool:
         p = self.params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0

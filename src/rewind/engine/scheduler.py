@@ -1,10 +1,16 @@
-"""The scheduler: admits requests into N slots, prefills them chunk by chunk, decodes them as a batch.
+"""The scheduler: admits requests into N slots and decides, step by step, what the model runs.
 
 Runs on the engine thread only (the one thread that touches the model and every live cache).
-Each loop iteration does at most one prefill chunk (so running sequences keep decoding) and one
-batched decode step. A sequence prefills on its own batch-1 cache (restored from the prompt cache
-when there is one), samples its first token from the prompt's last logits, then joins the decode
-batch through the batch cache classes' merge/extend and leaves it through filter.
+Each step runs every decoding row plus prompt chunks of waiting sequences, up to a token budget
+(`EngineConfig.mixed_prefill_tokens` while rows decode, `prefill_chunk` when none does), as vLLM
+and SGLang schedule: a long prompt arriving mid-stream delays the running rows by one chunk's
+worth of work per token, not by its whole prefill. The runner (rewind.engine.runner) runs a step,
+in one forward pass where the backend allows it, and never decides.
+
+A sequence prefills on its own batch-1 cache (restored from the prompt cache when there is one),
+in calls cut on the one chunk grid (`runner.chunk_ends`), checkpointing at block boundaries; it
+samples its first token from the prompt's last logits, then joins the decode batch through the
+batch cache classes' merge/extend and leaves it through filter.
 """
 
 from __future__ import annotations
@@ -13,16 +19,14 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.config import BLOCK_TOKENS, EngineConfig
-from rewind.engine.forward import last_logits, prefill
-from rewind.engine.positions import given_positions, takes_positions
-from rewind.engine.residuals import given_residuals
+from rewind.engine.positions import takes_positions
 from rewind.engine.request import (
     FinishEvent,
     FinishReason,
@@ -31,6 +35,7 @@ from rewind.engine.request import (
     TokenEvent,
     Usage,
 )
+from rewind.engine.runner import ModelRunner, Segment, check_chunk_tokens, chunk_ends
 from rewind.engine.sampler import Sampled, SequenceSampler, sample_rows
 from rewind.engine.stops import TextStream
 
@@ -78,15 +83,27 @@ class Counters:
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class Chunk:
+    """One prefill call of one sequence: prompt positions [start, end)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
 class Scheduler:
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, prompt_cache: Any,
+    def __init__(self, runner: ModelRunner, config: EngineConfig, prompt_cache: Any,
                  eos_token_ids: set[int], listeners: list[SampleListener]) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
+        self.runner = runner
+        self.model = runner.model
         self.config = config
         self.prompt_cache = prompt_cache
-        # Chunks and checkpoints follow the prompt cache's block size (256 unless configured).
+        # Checkpoints follow the prompt cache's block size (256 unless configured); model calls
+        # end on a finer grid that divides it.
         self.block_tokens: int = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
+        self.chunk_tokens = check_chunk_tokens(runner.chunk_tokens, self.block_tokens)
+        self.mixed_prefill_tokens = config.resolved_mixed_prefill_tokens()
         self.eos_token_ids = eos_token_ids
         self.listeners = listeners
         self.counters = Counters()
@@ -126,14 +143,13 @@ class Scheduler:
         """One loop iteration; False when there was nothing to do."""
         self._drop_cancelled()
         self._admit()
-        did_work = False
-        if self.prefilling:
-            self._prefill_chunk(self.prefilling[0])
-            did_work = True
-        if self.decoding:
-            self._decode_step()
-            did_work = True
-        return did_work
+        if not self.prefilling and not self.decoding:
+            return False
+        rounds = self._plan_prefill()
+        self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
+        for chunks in rounds[1:]:
+            self._run_round(chunks, with_decode=False)
+        return True
 
     def abort_all(self, reason: FinishReason, error: str | None) -> None:
         """Finish every request in the engine (shutdown, or a failure outside any request)."""
@@ -203,68 +219,132 @@ class Scheduler:
             self.counters.cached_disk_tokens += restored.disk_tokens
             self._notify("restore_seconds", restored.seconds)
         else:
-            seq.cache = make_prompt_cache(self.model, max_kv_size=self.config.max_kv_size)
+            seq.cache = self.runner.new_cache()
             seq.prefilled = 0
         seq.checkpoint_at = {p for p in seq.request.checkpoints if 0 < p <= len(seq.prompt)}
 
     # ---- prefill ----------------------------------------------------------------------------
 
-    def _chunk_end(self, seq: Sequence, start: int) -> int:
-        """Where the next model call ends: the next 256 multiple, requested checkpoint, or the
-        prompt's last token but one; then the last token alone (only its logits are needed, and
-        the output projection costs as much as the rest of a small model). The chunking is the
-        same with and without a prompt cache, so the two differ only by what was restored."""
-        total = len(seq.prompt)
-        block = self.block_tokens
-        stops = [(start // block + 1) * block, total - 1, total]
-        stops += [p for p in seq.checkpoint_at if p > start]
-        return min(p for p in stops if start < p <= total)
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step: few while rows decode (each decoding row waits for them),
+        a larger batch of chunks when nothing else runs."""
+        if self.decoding:
+            return max(self.mixed_prefill_tokens - len(self.decoding), 1)
+        return max(self.config.prefill_chunk, 1)
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
-        """Up to config.prefill_chunk prompt tokens of one sequence, checkpointing at each chunk
-        end; at the prompt's end, sample its first token and move it to the decode batch."""
-        try:
-            total = len(seq.prompt)
-            if seq.prefilled >= total:
-                raise RuntimeError(f"nothing left to prefill ({seq.prefilled} of {total} cached)")
-            budget_end = seq.prefilled + self.config.prefill_chunk
-            while True:
-                start, end = seq.prefilled, self._chunk_end(seq, seq.prefilled)
-                # The ids the model is given: the prompt's, or the image prompt's model_tokens
-                # where its model reads more than embeddings from them (Gemma 4's per-layer
-                # inputs: image tokens as 0). Cache keys and checkpoints keep seq.prompt.
-                ids = seq.prompt if seq.request.model_tokens is None else seq.request.model_tokens
-                chunk = mx.array([ids[start:end]])
-                # Image prompts: this chunk's input embeddings (image features in image spans).
-                embeds = None if seq.request.embed is None else seq.request.embed(start, end)
-                # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions);
-                # Qwen3-VL's: the features added after its first layers (engine.residuals).
-                positions = (None if seq.request.positions is None
-                             else seq.request.positions(start, end))
-                residuals = (None if seq.request.layer_residuals is None
-                             else seq.request.layer_residuals(start, end))
-                if end == total:
-                    with (given_positions(self.model, positions),
-                          given_residuals(self.model, residuals)):
-                        logits = last_logits(self.model, chunk, seq.cache, embeds)
-                    mx.eval(logits, [c.state for c in seq.cache])
-                    seq.prefilled = end
-                    self.counters.prefilled_tokens += end - start
-                    sampled = sample_rows([seq.sampler], logits)[0]
+    def _plan_prefill(self) -> list[list[Chunk]]:
+        """This step's prefill calls in rounds: round r holds the r-th chunk of each sequence
+        that gets one. Chunks of one sequence depend on each other; chunks of different ones
+        share a forward pass (each weight read once for all), so the budget goes round-robin
+        over the waiting prompts, oldest first. At least one chunk per step, so a full decode
+        batch cannot starve a waiting prompt."""
+        budget = self._prefill_budget()
+        pending = {id(seq): chunk_ends(seq.prefilled, len(seq.prompt), self.chunk_tokens,
+                                       seq.checkpoint_at) for seq in self.prefilling}
+        starts = {id(seq): seq.prefilled for seq in self.prefilling}
+        rounds: list[list[Chunk]] = []
+        for depth in range(max((len(ends) for ends in pending.values()), default=0)):
+            chunks: list[Chunk] = []
+            for seq in self.prefilling:
+                ends = pending[id(seq)]
+                if depth >= len(ends):
+                    continue
+                start, end = starts[id(seq)], ends[depth]
+                if end - start > budget and (rounds or chunks):
                     break
-                with (given_positions(self.model, positions),
-                      given_residuals(self.model, residuals)):
-                    prefill(self.model, chunk, seq.cache, embeds)
-                seq.prefilled = end
-                self.counters.prefilled_tokens += end - start
-                self._checkpoint(seq, seq.prompt[:end], seq.cache)
-                if end >= budget_end:
-                    return  # the rest in a later iteration: let the decode batch move
+                chunks.append(Chunk(seq, start, end))
+                budget -= end - start
+                starts[id(seq)] = end
+            else:
+                rounds.append(chunks)
+                continue
+            if chunks:
+                rounds.append(chunks)
+            break
+        return rounds
+
+    def _chunk_segment(self, chunk: Chunk) -> Segment:
+        seq, start, end = chunk.seq, chunk.start, chunk.end
+        request = seq.request
+        # The ids the model is given: the prompt's, or the image prompt's model_tokens where its
+        # model reads more than embeddings from them (Gemma 4's per-layer inputs: image tokens
+        # as 0). Cache keys and checkpoints keep seq.prompt.
+        ids = seq.prompt if request.model_tokens is None else request.model_tokens
+        return Segment(
+            tokens=mx.array([ids[start:end]]),
+            cache=seq.cache or [],
+            logits=end == len(seq.prompt),
+            # Image prompts: this chunk's input embeddings (image features in image spans).
+            embeds=None if request.embed is None else request.embed(start, end),
+            # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions);
+            # Qwen3-VL's: the features added after its first layers (engine.residuals).
+            positions=None if request.positions is None else request.positions(start, end),
+            residuals=(None if request.layer_residuals is None
+                       else request.layer_residuals(start, end)),
+        )
+
+    def _run_round(self, chunks: list[Chunk], with_decode: bool) -> None:
+        """One forward pass: the decode batch (when `with_decode`) and these prefill chunks."""
+        segments: list[Segment] = []
+        if with_decode:
+            try:
+                segments.append(Segment(
+                    tokens=mx.array([[s.next_input] for s in self.decoding]),
+                    cache=self.batch_cache or [], logits=True,
+                    positions=self._decode_positions()))
+            except Exception as exc:
+                self._fail_decoding(exc)
+                with_decode = False
+        taken: list[Chunk] = []
+        for chunk in chunks:
+            try:  # a request's own inputs (image features) failing ends that request only
+                segments.append(self._chunk_segment(chunk))
+                taken.append(chunk)
+            except Exception as exc:
+                self._fail_prefill(chunk.seq, exc)
+        if not segments:
+            return
+        try:
+            logits = self.runner.forward(segments)
         except Exception as exc:
-            log.exception("prefill of %s failed", seq.request.request_id)
+            # Which segment failed is unknown, and the caches of the others may be half
+            # advanced: every sequence of this pass ends.
+            log.exception("forward pass failed")
+            if with_decode:
+                self._fail_decoding(exc)
+            for chunk in taken:
+                self._fail_prefill(chunk.seq, exc)
+            return
+        if with_decode:
+            self._after_decode(logits[0])
+            logits = logits[1:]
+        for chunk, chunk_logits in zip(taken, logits):
+            self._after_chunk(chunk, chunk_logits)
+
+    def _fail_prefill(self, seq: Sequence, exc: Exception) -> None:
+        log.error("prefill of %s failed: %s: %s", seq.request.request_id, type(exc).__name__, exc)
+        if seq in self.prefilling:
             self.prefilling.remove(seq)
             seq.cache = None
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+
+    def _after_chunk(self, chunk: Chunk, logits: mx.array | None) -> None:
+        seq, end = chunk.seq, chunk.end
+        if seq not in self.prefilling:
+            return  # ended meanwhile
+        seq.prefilled = end
+        self.counters.prefilled_tokens += end - chunk.start
+        total = len(seq.prompt)
+        if end < total:
+            # Checkpoints where the old chunking had them: block boundaries, the points the
+            # request named (message boundaries), and the prompt's last token but one.
+            if end % self.block_tokens == 0 or end in seq.checkpoint_at or end == total - 1:
+                self._checkpoint(seq, seq.prompt[:end], seq.cache or [])
+            return
+        try:
+            sampled = sample_rows([seq.sampler], logits)[0]
+        except Exception as exc:
+            self._fail_prefill(seq, exc)
             return
         self.prefilling.remove(seq)
         if self._on_token(seq, sampled):
@@ -287,12 +367,7 @@ class Scheduler:
     # ---- the decode batch -------------------------------------------------------------------
 
     def _join_batch(self, seq: Sequence) -> None:
-        single = [layer.merge([layer]) for layer in seq.cache or []]
-        if self.batch_cache is None:
-            self.batch_cache = single
-        else:
-            for batch_layer, new_layer in zip(self.batch_cache, single):
-                batch_layer.extend(new_layer)
+        self.batch_cache = self.runner.join(self.batch_cache, seq.cache or [])
         self.decoding.append(seq)
 
     def _leave_batch(self, rows: list[int]) -> None:
@@ -300,23 +375,20 @@ class Scheduler:
             return
         keep = [i for i in range(len(self.decoding)) if i not in set(rows)]
         self.decoding = [self.decoding[i] for i in keep]
-        if not keep:
-            self.batch_cache = None
-            return
-        for layer in self.batch_cache or []:
-            layer.filter(keep)
+        self.batch_cache = (None if self.batch_cache is None
+                            else self.runner.keep_rows(self.batch_cache, keep))
 
-    def _decode_step(self) -> None:
+    def _fail_decoding(self, exc: Exception) -> None:
+        log.error("decode step failed: %s: %s", type(exc).__name__, exc)
+        for seq in self.decoding:
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        self.decoding, self.batch_cache = [], None
+
+    def _after_decode(self, logits: mx.array | None) -> None:
         try:
-            inputs = mx.array([[s.next_input] for s in self.decoding])
-            with given_positions(self.model, self._decode_positions()):
-                logits = last_logits(self.model, inputs, self.batch_cache)
             results = sample_rows([s.sampler for s in self.decoding], logits)
         except Exception as exc:
-            log.exception("decode step failed")
-            for seq in self.decoding:
-                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            self.decoding, self.batch_cache = [], None
+            self._fail_decoding(exc)
             return
         done = [i for i, (seq, sampled) in enumerate(zip(self.decoding, results))
                 if not self._on_token(seq, sampled)]
@@ -348,7 +420,7 @@ class Scheduler:
             if held <= len(seq.prompt):
                 continue  # nothing beyond the prompt's own checkpoints
             try:
-                single = [layer.extract(row) for layer in self.batch_cache or []]
+                single = self.runner.extract(self.batch_cache or [], row)
             except Exception:
                 log.exception("extracting row %d for a checkpoint failed", row)
                 continue

@@ -1,31 +1,28 @@
-"""A fast generator for one sequence: chunked prefill without logits, then pipelined decode.
+"""One sequence without the scheduler: the commands' and benchmarks' generator, on the runner.
 
-What it does differently from mlx-lm's `generate_step`, and why:
-- prefill chunks end on 256-token boundaries (absolute cache positions), so a caller can
-  checkpoint the cache at each boundary (`on_boundary`), the prompt cache's block size;
-- no logits are computed during prefill except for the prompt's last position (the output
-  projection is most of a small model's prefill cost);
-- decode is pipelined as in mlx-lm: step n+1's graph is built and queued with `mx.async_eval`
-  before step n's token is read back, so Python overhead overlaps the computation.
+It runs the engine's own calls (rewind.engine.runner: the same chunk grid, the same forward
+pass, the same output head) and the server's sampler (rewind.engine.sampler), so `rewind
+generate` and the server give the same tokens for the same settings. What it adds is a
+pipelined decode, as mlx-lm's generate_step: step n+1's graph is built and queued with
+`mx.async_eval` before step n's token is read back, so Python overhead overlaps the computation
+(on backends that evaluate lazily; the CPU kernels compute as they are called).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from rewind.engine.forward import last_logits, prefill
+from rewind.config import BLOCK_TOKENS
+from rewind.engine.request import SamplingParams
+from rewind.engine.runner import ModelRunner, Segment, chunk_ends, engine_chunk_tokens
+from rewind.engine.sampler import SequenceSampler
 
-BLOCK_TOKENS = 256  # the prompt cache's block size: chunk ends land on multiples of it
-DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill chunk (a multiple of BLOCK_TOKENS)
-
-Sampler = Callable[[mx.array], mx.array]  # logprobs [1, vocab] -> token [1]
-
-
-def greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
+__all__ = ["BLOCK_TOKENS", "Prefilled", "chunk_ends", "decode_tokens", "generate_tokens",
+           "greedy_sampler", "prefill_prompt", "prefill_with_cache"]
 
 
 def cache_offset(cache: list[Any]) -> int:
@@ -37,28 +34,16 @@ def cache_offset(cache: list[Any]) -> int:
     return 0
 
 
-def chunk_ends(start: int, end: int, chunk: int = DEFAULT_PREFILL_CHUNK) -> list[int]:
-    """Absolute end positions of prefill chunks covering [start, end): every end but the last is a
-    multiple of BLOCK_TOKENS and each chunk holds at most `chunk` tokens (at least one block)."""
-    chunk = max(BLOCK_TOKENS, chunk - chunk % BLOCK_TOKENS)
-    ends: list[int] = []
-    position = start
-    while True:
-        limit = position + chunk
-        boundary = limit - limit % BLOCK_TOKENS  # > position, since chunk >= BLOCK_TOKENS
-        if boundary >= end:
-            ends.append(end)
-            return ends
-        ends.append(boundary)
-        position = boundary
+def greedy_sampler(vocab_size: int) -> SequenceSampler:
+    return SequenceSampler(SamplingParams(temperature=0.0), [], vocab_size)
 
 
 def prefill_prompt(
     model: Any,
-    prompt: mx.array,
+    prompt: Sequence[int] | mx.array,
     cache: list[Any],
-    chunk: int = DEFAULT_PREFILL_CHUNK,
     on_boundary: Callable[[int, list[Any]], None] | None = None,
+    runner: ModelRunner | None = None,
 ) -> mx.array:
     """Feed prompt [T] (T >= 1) into `cache` and return the last position's logits [1, vocab].
 
@@ -66,63 +51,140 @@ def prefill_prompt(
     that is a multiple of BLOCK_TOKENS reached inside the prompt, and lets the prompt cache
     snapshot blocks as they complete.
     """
+    runner = runner or ModelRunner(model)
+    tokens = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     start = cache_offset(cache)
-    ends = chunk_ends(start, start + prompt.shape[0], chunk)
-    position = start
-    for end in ends[:-1]:
-        prefill(model, prompt[None, position - start:end - start], cache)
-        position = end
-        if on_boundary is not None:
-            on_boundary(position, cache)
-        mx.clear_cache()  # chunk temporaries: keep peak memory at one chunk's worth
-    logits = last_logits(model, prompt[None, position - start:], cache)
-    if on_boundary is not None and ends[-1] % BLOCK_TOKENS == 0:
-        mx.eval(logits)
-        on_boundary(ends[-1], cache)
+
+    def boundary(position: int, held: list[Any]) -> None:
+        if on_boundary is not None and position % BLOCK_TOKENS == 0:
+            on_boundary(position, held)
+
+    logits = runner.prefill(cache, tokens, start, on_chunk=boundary)
+    end = start + len(tokens)
+    if on_boundary is not None and end % BLOCK_TOKENS == 0:
+        on_boundary(end, cache)
     return logits
 
 
-def _to_logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def _vocab_size(logits: mx.array) -> int:
+    return int(logits.shape[-1])
+
+
+def decode_tokens(
+    runner: ModelRunner,
+    logits: mx.array,
+    cache: list[Any],
+    sampler: SequenceSampler | None = None,
+    max_tokens: int = 256,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token, logprobs [vocab]) for up to `max_tokens` tokens, the first sampled from
+    `logits` [1, vocab] (the prompt's last position), each next one from a decode step on
+    `cache`. The caller stops early by closing the generator."""
+    if max_tokens <= 0:
+        return
+    sampler = sampler or greedy_sampler(_vocab_size(logits))
+    # Penalties and grammars need each token accepted before the next step's logits are
+    # processed: no step can be queued ahead of reading the token then.
+    pipelined = not sampler.needs_history
+
+    def sample(step_logits: mx.array) -> tuple[mx.array, mx.array]:
+        row = sampler.process(step_logits[0])
+        return sampler.draw(row), row - mx.logsumexp(row)
+
+    token, logprobs = sample(logits)
+    mx.async_eval(token, logprobs)
+    for produced in range(max_tokens):
+        more = produced + 1 < max_tokens
+        if more and pipelined:
+            # Queue the next step before reading this one: its graph depends only on `token`.
+            step = runner.forward([Segment(token.reshape(1, 1), cache, logits=True)],
+                                  evaluate=False)[0]
+            next_token, next_logprobs = sample(step)
+            mx.async_eval(next_token, next_logprobs)
+        value = int(token.item())
+        sampler.accept(value)
+        yield value, logprobs
+        if produced % 256 == 255:
+            mx.clear_cache()
+        if not more:
+            return
+        if not pipelined:
+            step = runner.forward([Segment(mx.array([[value]]), cache, logits=True)])[0]
+            next_token, next_logprobs = sample(step)
+        token, logprobs = next_token, next_logprobs
 
 
 def generate_tokens(
     model: Any,
     prompt_tokens: Sequence[int] | mx.array,
-    sampler: Sampler | None = None,
+    sampler: SequenceSampler | None = None,
     cache: list[Any] | None = None,
     max_tokens: int = 256,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     on_boundary: Callable[[int, list[Any]], None] | None = None,
+    runner: ModelRunner | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [vocab]) for up to `max_tokens` new tokens after `prompt_tokens`.
 
-    `cache` (mlx-lm per-layer caches, e.g. restored by the prompt cache) is filled in place; the
-    prompt holds only the tokens not yet in it. The caller stops early by closing the generator.
+    `cache` (per-layer caches, e.g. restored by the prompt cache) is filled in place; the prompt
+    holds only the tokens not yet in it. The caller stops early by closing the generator.
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    sampler = sampler or greedy
+    runner = runner or ModelRunner(model)
     if cache is None:
-        cache = make_prompt_cache(model)
-    prompt = prompt_tokens if isinstance(prompt_tokens, mx.array) else mx.array(list(prompt_tokens))
-    if prompt.size == 0:
+        cache = runner.new_cache()
+    tokens = prompt_tokens.tolist() if isinstance(prompt_tokens, mx.array) else list(prompt_tokens)
+    if not tokens:
         raise ValueError("generate_tokens needs at least one prompt token")
     if max_tokens <= 0:
         return
+    logits = prefill_prompt(model, tokens, cache, on_boundary, runner)
+    yield from decode_tokens(runner, logits, cache, sampler, max_tokens)
 
-    logprobs = _to_logprobs(prefill_prompt(model, prompt, cache, prefill_chunk, on_boundary))
-    token = sampler(logprobs)
-    mx.async_eval(token, logprobs)
 
-    for produced in range(max_tokens):
-        if produced + 1 < max_tokens:
-            # Queue the next step before reading this one: its graph depends only on `token`.
-            next_logprobs = _to_logprobs(last_logits(model, token.reshape(1, 1), cache))
-            next_token = sampler(next_logprobs)
-            mx.async_eval(next_token, next_logprobs)
-        yield int(token.item()), logprobs.squeeze(0)
-        if produced % 256 == 255:
-            mx.clear_cache()
-        if produced + 1 < max_tokens:
-            token, logprobs = next_token, next_logprobs
+@dataclass
+class Prefilled:
+    """A prompt run through the model: the live cache, the last position's logits [1, vocab],
+    and what the prompt cache restored (None without a prompt cache)."""
+
+    cache: list
+    logits: Any
+    restored: Any  # rewind.cache.Restored | None
+
+
+def prefill_with_cache(
+    model: Any,
+    tokens: Sequence[int],
+    prompt_cache: Any,  # rewind.cache.PromptCache | None
+    extras: Any = None,  # rewind.cache.BlockExtras | None
+    checkpoints: Sequence[int] = (),
+    max_kv_size: int | None = None,
+) -> Prefilled:
+    """Restore, prefill the rest in chunks that end on block boundaries, checkpoint, and return
+    the last position's logits: how an engine is meant to drive PromptCache, used by the tests,
+    the benchmark and single-process chat.
+
+    Checkpoints: every multiple of block_tokens, every position in `checkpoints` (message
+    boundaries), and len(tokens) - 1. That last one, not len(tokens), because a restore always
+    leaves one token to compute: a point at len - 1 serves both an exact repeat of this prompt
+    and the next turn, which extends it."""
+    tokens = list(tokens)
+    if not tokens:
+        raise ValueError("empty prompt")
+    step = prompt_cache.block_tokens if prompt_cache is not None else 256
+    runner = ModelRunner(model, max_kv_size=max_kv_size,
+                         chunk_tokens=engine_chunk_tokens(None, step))
+    if prompt_cache is None:
+        cache, position, restored = runner.new_cache(), 0, None
+    else:
+        restored = prompt_cache.restore(tokens, extras, max_kv_size=max_kv_size)
+        cache, position = restored.cache, restored.tokens
+    stops = {p for p in checkpoints if 0 < p < len(tokens)}
+
+    def checkpoint(end: int, held: list[Any]) -> None:
+        if prompt_cache is not None and (end % step == 0 or end in stops
+                                         or end == len(tokens) - 1):
+            prompt_cache.checkpoint(tokens[:end], held, extras)
+
+    # The engine's calls (the same chunk grid with and without a prompt cache, so the two
+    # differ only by the restore); the last token goes alone.
+    logits = runner.prefill(cache, tokens[position:], position, stops, checkpoint)
+    return Prefilled(cache=cache, logits=logits, restored=restored)

@@ -1,0 +1,214 @@
+"""The model runner: every forward call of the engine, and the decode batch's cache surgery.
+
+The scheduler decides what runs in a step (which rows decode, which prompt chunks prefill); the
+runner runs it and never decides. A step is a list of `Segment`s, each a [B, L] block of tokens
+with its own cache: the decode batch is one segment (B rows, L = 1, the batch cache), each
+prefill chunk another (B = 1, its sequence's own cache).
+
+Why one call for several segments: on the CPU kernels (rewind.engine.native_forward) a forward
+pass streams every layer weight once for all its rows, so decode rows and a prefill chunk in one
+pass cost one weight read instead of two, and the rows' logits come from one output-head call
+(the head is most of a small model's bytes: Gemma 3 270M's tied 262k-word embedding). Elsewhere
+(MLX's own layers: other families, GPUs, per-call rotary positions) the segments run one after
+another, with the same answers.
+
+Chunk grid: `chunk_ends` is the one place prompt positions are cut into model calls, for the
+server and every command, so the same prompt is always computed in the same calls whether it is
+restored from the prompt cache, batched with others, or alone. That matters for the answer
+itself: a call's shape changes the summation order of some families (sliding-window caches,
+linear attention), so a different cut gives logits that differ in the last bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from rewind.config import BLOCK_TOKENS, default_chunk_tokens
+from rewind.engine.forward import split_model
+from rewind.engine.positions import given_positions
+from rewind.engine.residuals import given_residuals
+
+
+@dataclass
+class Segment:
+    """One block of a step: tokens [B, L] into `cache` (per-layer caches; B rows of a batch cache
+    for the decode batch)."""
+
+    tokens: mx.array
+    cache: list[Any]
+    logits: bool = False  # return the last position's logits [B, vocab]
+    embeds: mx.array | None = None  # input embeddings [B, L, H] (image prompts)
+    positions: mx.array | None = None  # explicit rotary positions [3, B, L] (Qwen-VL)
+    residuals: Any = None  # per-layer residual inputs (Qwen3-VL's deepstack features)
+
+    @property
+    def plain(self) -> bool:
+        """No per-call model state: can share a forward pass with other segments."""
+        return self.positions is None and self.residuals is None
+
+
+def chunk_ends(start: int, total: int, chunk_tokens: int, stops: Iterable[int] = ()) -> list[int]:
+    """Where the model calls covering prompt positions [start, total) end: every multiple of
+    `chunk_tokens` (absolute positions, so a restored prefix continues on the same grid), every
+    position in `stops` (checkpoints), `total - 1` (the last token goes alone: only its logits
+    are needed, and the model computes the output for every position of the call that produces
+    them) and `total`."""
+    ends = set(range((start // chunk_tokens + 1) * chunk_tokens, total, chunk_tokens))
+    ends |= {p for p in stops if start < p < total}
+    if total - 1 > start:
+        ends.add(total - 1)
+    ends.add(total)
+    return sorted(ends)
+
+
+def check_chunk_tokens(chunk_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    if chunk_tokens < 1 or block_tokens % chunk_tokens:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must divide the block size {block_tokens}: "
+                         "checkpoints sit on block boundaries, which must be chunk ends")
+    return chunk_tokens
+
+
+def engine_chunk_tokens(configured: int | None, block_tokens: int) -> int:
+    """The grid an engine runs: the configured one (which must divide the block size), or the
+    backend's default cut to fit the block size."""
+    if configured is not None:
+        return check_chunk_tokens(configured, block_tokens)
+    return math.gcd(default_chunk_tokens(), block_tokens)
+
+
+class ModelRunner:
+    """Owns the model's forward calls; one per engine, engine thread only."""
+
+    def __init__(self, model: Any, max_kv_size: int | None = None,
+                 chunk_tokens: int | None = None) -> None:
+        self.model = model
+        self.max_kv_size = max_kv_size
+        self.chunk_tokens = chunk_tokens or default_chunk_tokens()
+
+    # ---- caches -----------------------------------------------------------------------------
+
+    def new_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+
+    @staticmethod
+    def join(batch: list[Any] | None, single: list[Any]) -> list[Any]:
+        """The decode batch with one more row (a batch-1 cache appended); a new batch if None."""
+        rows = [layer.merge([layer]) for layer in single]
+        if batch is None:
+            return rows
+        for batch_layer, new_layer in zip(batch, rows):
+            batch_layer.extend(new_layer)
+        return batch
+
+    @staticmethod
+    def keep_rows(batch: list[Any], keep: list[int]) -> list[Any] | None:
+        """The batch with only rows `keep` (None when none is left)."""
+        if not keep:
+            return None
+        for layer in batch:
+            layer.filter(keep)
+        return batch
+
+    @staticmethod
+    def extract(batch: list[Any], row: int) -> list[Any]:
+        """A batch-1 copy of one row's caches (for a checkpoint)."""
+        return [layer.extract(row) for layer in batch]
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def prefill(self, cache: list[Any], tokens: Sequence[int], start: int = 0,
+                stops: Iterable[int] = (),
+                on_chunk: Callable[[int, list[Any]], None] | None = None,
+                logits: bool = True) -> mx.array | None:
+        """One sequence alone: feed `tokens` (prompt positions start.. onward) into `cache`,
+        which holds the `start` before them, in the grid's calls (`chunk_ends`); return the last
+        position's logits [1, vocab]. `on_chunk(position, cache)` runs after every call but the
+        last, with the cache holding `position` tokens (where a prompt cache checkpoints)."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("nothing to prefill")
+        total = start + len(tokens)
+        position = start
+        last: mx.array | None = None
+        for end in chunk_ends(start, total, self.chunk_tokens, stops):
+            chunk = mx.array([tokens[position - start:end - start]])
+            last = self.forward([Segment(chunk, cache, logits=logits and end == total)])[0]
+            position = end
+            if end < total:
+                if on_chunk is not None:
+                    on_chunk(end, cache)
+                mx.clear_cache()  # chunk temporaries: keep peak memory at one chunk's worth
+        return last
+
+    def forward(self, segments: list[Segment], evaluate: bool = True) -> list[mx.array | None]:
+        """Run every segment; return each one's last-position logits [B, vocab] where it asked
+        for them, else None. Caches advance by each segment's length. `evaluate=False` leaves
+        the logits lazy where the backend allows (a pipelined decode queues them with
+        mx.async_eval)."""
+        if not segments:
+            return []
+        split = split_model(self.model)
+        fused = None
+        if split is not None and len(segments) > 1 and all(s.plain for s in segments):
+            fused = self._native_segments(split, segments)
+        if fused is not None:
+            hidden = fused
+        else:
+            hidden = [self._one(split, segment) for segment in segments]
+        logits = self._heads(split, segments, hidden)
+        if evaluate:
+            mx.eval([a for a in logits if a is not None],
+                    [[layer.state for layer in s.cache] for s in segments])
+        return logits
+
+    def _native_segments(self, split: Any, segments: list[Segment]) -> list[mx.array] | None:
+        native = split.backbone.__dict__.get("_rewind_native")
+        if native is None:
+            return None
+        return native.forward_segments([(s.tokens, s.cache, s.embeds) for s in segments])
+
+    def _one(self, split: Any, segment: Segment) -> mx.array:
+        """Hidden states [B, L, H] of one segment (the full model's logits [B, L, vocab] for a
+        family without a known backbone/head split)."""
+        kwargs = {} if segment.embeds is None else {"input_embeddings": segment.embeds}
+        with (given_positions(self.model, segment.positions),
+              given_residuals(self.model, segment.residuals)):
+            if split is None:
+                return self.model(segment.tokens, cache=segment.cache, **kwargs)
+            return split.backbone(segment.tokens, cache=segment.cache, **kwargs)
+
+    def _heads(self, split: Any, segments: list[Segment],
+               hidden: list[mx.array]) -> list[mx.array | None]:
+        """Last-position logits of the segments that want them, through one head call."""
+        wanted = [i for i, s in enumerate(segments) if s.logits]
+        out: list[mx.array | None] = [None] * len(segments)
+        if not wanted:
+            return out
+        if split is None:  # `hidden` already holds logits
+            for i in wanted:
+                out[i] = hidden[i][:, -1, :]
+            return out
+        fast_head = self.model.__dict__.get("_rewind_fast_head")
+        if fast_head is None:
+            # MLX's matmul may sum in another order for another row count: one call each.
+            for i in wanted:
+                out[i] = split.logits(hidden[i][:, -1, :])
+            return out
+        # The CPU head kernel computes each row alone, so stacking the rows changes nothing
+        # and reads its weights once.
+        last = [hidden[i][:, -1, :] for i in wanted]
+        rows = [a.shape[0] for a in last]
+        stacked = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)
+        logits = split.logits(stacked, fast_head)
+        start = 0
+        for i, count in zip(wanted, rows):
+            out[i] = logits[start:start + count]
+            start += count
+        return out

@@ -1,0 +1,164 @@
+"""Mixed steps: decoding rows and prompt chunks share the engine's steps.
+
+A prompt arriving while others stream is prefilled a budget's worth of tokens per step next to
+the decoding rows, so a running row waits for at most that much work between two of its tokens;
+and whatever a sequence shares its steps with, its tokens and log-probabilities are the ones it
+gets alone, with and without the prompt cache. Checked through the engine's public interface,
+on every tiny family and the real default model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rewind.cache import PromptCache
+from rewind.config import CacheConfig, EngineConfig
+from rewind.engine import (
+    Engine,
+    FinishEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from rewind.models.loader import load_model
+from rewind.testing.tiny_models import build_tiny_model
+
+TIMEOUT = 300
+LONG_TEXT = ("def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n"
+             "        a, b = b, a + b\n    return a\n") * 12
+SHORT_TEXT = "The weather in Berlin"
+
+
+def no_eos(engine: Engine) -> dict[int, float]:
+    return {int(t): -100.0 for t in engine.eos_token_ids}
+
+
+def params(engine: Engine, max_tokens: int, logprobs: bool = False) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=no_eos(engine),
+                          logprobs=logprobs, top_logprobs=20 if logprobs else 0)
+
+
+@pytest.fixture(scope="module")
+def gemma4_loaded(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(str(build_tiny_model("gemma4", tmp_path_factory.mktemp("gemma4"))))
+
+
+@pytest.fixture(scope="module")
+def default_loaded():
+    return load_model("default")
+
+
+@pytest.fixture(params=["llama", "gemma3", "qwen3_5", "gemma4", "default"])
+def any_loaded(request: pytest.FixtureRequest, tiny_loaded):
+    if request.param == "gemma4":
+        return request.getfixturevalue("gemma4_loaded")
+    if request.param == "default":
+        return request.getfixturevalue("default_loaded")
+    return tiny_loaded(request.param)
+
+
+def test_a_long_prompt_arriving_mid_stream_does_not_stall_the_running_row(tiny_loaded):
+    """Count the prompt tokens computed between two tokens of a running row (work, not time):
+    never more than the mixed-step budget, while a prompt of many budgets is prefilled."""
+    loaded = tiny_loaded("llama")
+    config = EngineConfig(parallel=2, chunk_tokens=16, mixed_prefill_tokens=18)
+    with Engine(loaded, config) as engine:
+        between: list[int] = []  # prompt tokens prefilled at each token of a decoding row
+        engine.add_sample_listener(
+            lambda name, _: between.append(engine.stats()["prefilled_tokens"])
+            if name == "itl_seconds" else None)
+        short = loaded.tokenizer.encode(SHORT_TEXT)
+        streaming = engine.submit(GenerationRequest(short, params(engine, 400)))
+        events = streaming.events(TIMEOUT)
+        for _ in range(3):  # the row is decoding
+            assert isinstance(next(events), TokenEvent)
+        long_prompt = loaded.tokenizer.encode(LONG_TEXT)
+        assert len(long_prompt) > 20 * 18
+        arriving = engine.submit(GenerationRequest(long_prompt, params(engine, 2)))
+        arrived = arriving.collect(TIMEOUT)
+        streaming.cancel()
+        list(events)
+    assert arrived.finish.usage.completion_tokens == 2
+    steps = [b - a for a, b in zip(between, between[1:])]
+    # The long prompt really was prefilled while the row streamed, in many steps...
+    assert sum(steps) >= len(long_prompt) - 1
+    assert sum(1 for s in steps if s > 0) >= len(long_prompt) // 18
+    # ...and never more than the budget (18 tokens less the decoding row) between two tokens.
+    assert max(steps) <= 17
+
+
+def _run(engine: Engine, prompt: list[int], max_tokens: int):
+    """(tokens, logprobs, top logprobs, usage) of one greedy request."""
+    handle = engine.submit(GenerationRequest(prompt, params(engine, max_tokens, logprobs=True)))
+    events = list(handle.events(TIMEOUT))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent) and finish.reason == "length", finish
+    return ([e.token for e in tokens], [e.logprob for e in tokens],
+            [e.top_logprobs for e in tokens], finish.usage)
+
+
+def _assert_same(a, b) -> None:
+    tokens_a, logprobs_a, top_a, _ = a
+    tokens_b, logprobs_b, top_b, _ = b
+    assert tokens_a == tokens_b
+    assert logprobs_a == pytest.approx(logprobs_b, abs=1e-4)
+    for row_a, row_b in zip(top_a, top_b):
+        assert [t for t, _ in row_a] == [t for t, _ in row_b]
+        assert [v for _, v in row_a] == pytest.approx([v for _, v in row_b], abs=1e-4)
+
+
+def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path):
+    """One request alone; the same while another streams (its chunks share the other's steps,
+    then it decodes in a batch of two); and again from the prompt cache, mixed: same tokens,
+    same log-probabilities."""
+    loaded = any_loaded
+    prompt = loaded.tokenizer.encode(LONG_TEXT)
+    other = loaded.tokenizer.encode(SHORT_TEXT)
+    config = EngineConfig(parallel=3, chunk_tokens=32, mixed_prefill_tokens=40)
+    with Engine(loaded, config) as engine:
+        alone = _run(engine, prompt, 12)
+
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, config, prompt_cache) as engine:
+            for attempt in ("uncached", "cached"):
+                streaming = engine.submit(GenerationRequest(other, params(engine, 10_000)))
+                events = streaming.events(TIMEOUT)
+                assert isinstance(next(events), TokenEvent)  # decoding when the request comes
+                mixed = _run(engine, prompt, 12)
+                streaming.cancel()
+                list(events)
+                _assert_same(alone, mixed)
+                cached = mixed[3].cached_tokens
+                assert (cached == 0) if attempt == "uncached" else (cached >= 256)
+    finally:
+        prompt_cache.close()
+
+
+def test_prompts_arriving_together_share_steps(tiny_loaded):
+    """Three prompts submitted at once are prefilled side by side (their chunks in the same
+    steps), not one after another: their first tokens come within a few steps of each other."""
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode(LONG_TEXT)
+    config = EngineConfig(parallel=3, chunk_tokens=32, prefill_chunk=3 * 32)
+    with Engine(loaded, config) as engine:
+        firsts: list[int] = []
+        lock = threading.Lock()
+
+        def on_sample(name: str, _: float) -> None:
+            if name == "ttft_seconds":
+                with lock:
+                    firsts.append(engine.stats()["prefilled_tokens"])
+
+        engine.add_sample_listener(on_sample)
+        handles = [engine.submit(GenerationRequest(prompt, params(engine, 2))) for _ in range(3)]
+        results = [h.collect(TIMEOUT) for h in handles]
+    assert all(r.finish.usage.completion_tokens == 2 for r in results)
+    # Side by side, the prompts' first tokens come a round or two apart (a submission may land
+    # a step after the one before it); one after another, a whole prompt apart.
+    firsts.sort()
+    assert firsts[2] - firsts[0] < len(prompt) // 2, firsts
