@@ -122,9 +122,13 @@ def test_agentic_quick_runs_and_reports(tmp_path: Path) -> None:
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     payload = json.loads((tmp_path / "agentic-quick.json").read_text())
-    records = payload["records"]
+    idle = [r for r in payload["records"] if r.get("idle")]
+    records = [r for r in payload["records"] if not r.get("idle")]
     assert {r["server"] for r in records} == {"rewind"}
     assert len(records) == payload["params"]["sessions"] * payload["params"]["turns"]
+    # One stream alone before the sessions: the idle decode step the gaps are read against.
+    assert len(idle) == 1 and idle[0]["token_gaps_s"]
+    assert all(r["after_first_s"] >= 0 for r in records)
     # Every turn resends a longer prompt than the one before it, in each session.
     for session in range(payload["params"]["sessions"]):
         sizes = [r["prompt_tokens"] for r in sorted(records, key=lambda r: r["turn"])
@@ -135,6 +139,7 @@ def test_agentic_quick_runs_and_reports(tmp_path: Path) -> None:
     assert any(r["cached_tokens"] > 0 for r in records if r["turn"] > 0)
     markdown = (tmp_path / "agentic-quick.md").read_text()
     assert "| rewind |" in markdown
+    assert "Streaming after the first token" in markdown
     assert (tmp_path / "agentic-quick-ttft.png").exists()
     # Start-up: /health, then the first answer (which may come later: mlx-lm loads after /health).
     run = next(iter(payload["summary"]["runs"].values()))

@@ -65,6 +65,12 @@ def make_workload(args: argparse.Namespace, system: str, scripts: list[tuple[str
         bar = tqdm(total=len(scripts) * args.turns, desc=f"{run.name} r{run.repeat}",
                    unit="turn", leave=False)
 
+        # One stream alone first: the server's idle decode step, the yardstick for the gaps
+        # between a stream's tokens while other sessions prefill.
+        idle = run.chat(run.client(), agent_messages(system, "Count to fifty.", []),
+                        max_tokens=args.max_tokens)
+        idle_row = {**turn_record(-1, -1, idle, None), "idle": True}
+
         def one_session(session: int) -> list[dict[str, Any]]:
             client = run.client()
             task, turns = scripts[session]
@@ -79,7 +85,7 @@ def make_workload(args: argparse.Namespace, system: str, scripts: list[tuple[str
         with ThreadPoolExecutor(max_workers=len(scripts)) as pool:
             results = list(pool.map(one_session, range(len(scripts))))
         bar.close()
-        return [row for rows in results for row in rows]
+        return [idle_row, *(row for rows in results for row in rows)]
 
     return workload
 
@@ -93,10 +99,20 @@ def turn_record(session: int, turn: int, timing, prefill_tps: float | None) -> d
     return {"session": session, "turn": turn, "ttft_s": timing.ttft_s, "e2e_s": timing.e2e_s,
             "prompt_tokens": prompt, "cached_tokens": timing.cached_tokens,
             "completion_tokens": timing.completion_tokens, "recomputed_reported": reported,
-            "recomputed_from_timing": from_timing, "finish_reason": timing.finish_reason}
+            "recomputed_from_timing": from_timing, "finish_reason": timing.finish_reason,
+            "after_first_s": timing.e2e_s - timing.ttft_s, "token_gaps_s": timing.token_gaps_s}
+
+
+def _percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tuple[dict, list[Table], list[Plot]]:
+    idle = [r for r in records if r.get("idle")]
+    records = [r for r in records if not r.get("idle")]
     by_server_turn: dict[tuple[str, int], list[dict]] = defaultdict(list)
     by_server_repeat: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for record in records:
@@ -145,6 +161,28 @@ def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tu
                            fmt_spread(spread(recomputed_reported), 0),
                            fmt_spread(spread(recomputed_timing), 0),
                            fmt_spread(spread(ratios), 2, "x")])
+    stream_rows = []
+    for name in present:
+        repeats = sorted({r for (n, r) in by_server_repeat if n == name})
+        idle_steps = [statistics.median(r["token_gaps_s"]) for r in idle
+                      if r["server"] == name and r["token_gaps_s"]]
+        after_first = [statistics.mean(r["after_first_s"] for r in by_server_repeat[(name, rep)])
+                       for rep in repeats]
+        gaps = [[g for r in by_server_repeat[(name, rep)] for g in r.get("token_gaps_s") or []]
+                for rep in repeats]
+        p50 = [_percentile(g, 0.5) for g in gaps]
+        p99 = [_percentile(g, 0.99) for g in gaps]
+        idle_step = statistics.median(idle_steps) if idle_steps else None
+        summary[name].update({"mean_after_first_token_s": spread(after_first),
+                              "token_gap_p50_s": spread(p50), "token_gap_p99_s": spread(p99),
+                              "idle_decode_step_s": idle_step})
+        ratio = (spread([p / idle_step for p in p99 if p is not None])
+                 if idle_step else spread([]))
+        stream_rows.append([name, fmt_spread(spread(after_first), 2, " s"),
+                            "n/a" if idle_step is None else f"{idle_step * 1000:.0f} ms",
+                            fmt_spread(spread([p * 1000 for p in p50 if p is not None]), 0, " ms"),
+                            fmt_spread(spread([p * 1000 for p in p99 if p is not None]), 0, " ms"),
+                            fmt_spread(ratio, 1, "x")])
     tables = [
         Table("Whole run, per server (sum over sessions and turns; median over repeats, min-max)",
               ["server", "end-to-end", "sum of TTFT", "prompt tokens", "recomputed (reported)",
@@ -152,6 +190,13 @@ def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tu
               note="`recomputed (reported)` = prompt_tokens - usage.prompt_tokens_details."
                    "cached_tokens; n/a where the server does not report it. `from timing` = "
                    "TTFT x the server's cold prefill rate, capped at the prompt size."),
+        Table("Streaming after the first token (median over repeats, min-max)",
+              ["server", "mean time after the first token, per turn", "idle decode step",
+               "gap between tokens, p50", "gap between tokens, p99", "p99 gap / idle step"],
+              stream_rows,
+              note="The idle decode step is the median gap of one stream alone, measured on the "
+                   "same server just before the sessions start. Gaps are between consecutive "
+                   "streamed chunks with text, over every turn of every session."),
         Table("Time to first token per turn, seconds (median over sessions and repeats, min-max)",
               ["turn", "prompt tokens", *present], ttft_rows),
     ]

@@ -9,7 +9,7 @@ fall back to counts derived from timing.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from openai import OpenAI
@@ -25,6 +25,9 @@ class ChatTiming:
     streamed_chunks: int  # chunks with text: a lower bound on tokens when usage is missing
     finish_reason: str | None
     text: str
+    # Seconds between consecutive streamed chunks with text (a token each on Rewind,
+    # llama-server and mlx-lm, but for text held back): how long a stream waits for its next.
+    token_gaps_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +54,7 @@ def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int |
     stream = client.chat.completions.create(
         model=model, messages=messages, temperature=0.0, seed=seed, stream=True,
         stream_options={"include_usage": True}, **extra)
+    chunk_times: list[float] = []
     for chunk in stream:
         now = time.perf_counter()
         if first_chunk_at is None and chunk.choices:
@@ -63,6 +67,7 @@ def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int |
             reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
             if text or reasoning:
                 chunks_with_text += 1
+                chunk_times.append(now)
                 if first_text_at is None:
                     first_text_at = now
                 pieces.append(text)
@@ -86,4 +91,5 @@ def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int |
         streamed_chunks=chunks_with_text,
         finish_reason=finish_reason,
         text="".join(pieces),
+        token_gaps_s=[b - a for a, b in zip(chunk_times, chunk_times[1:])],
     )
