@@ -162,3 +162,48 @@ def test_prompts_arriving_together_share_steps(tiny_loaded):
     # a step after the one before it); one after another, a whole prompt apart.
     firsts.sort()
     assert firsts[2] - firsts[0] < len(prompt) // 2, firsts
+
+
+def _streams(engine: Engine, prompts: list[list[int]], lengths: list[int]):
+    """Submit every prompt at once; each one's (tokens, logprobs, top logprobs, usage)."""
+    handles = [engine.submit(GenerationRequest(p, params(engine, n, logprobs=True)))
+               for p, n in zip(prompts, lengths)]
+    out = []
+    for handle in handles:
+        events = list(handle.events(TIMEOUT))
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        out.append(([e.token for e in tokens], [e.logprob for e in tokens],
+                    [e.top_logprobs for e in tokens], events[-1].usage))
+    return out
+
+
+def test_pipelined_decode_gives_the_unpipelined_answers(tiny_loaded, tiny_family, tmp_path):
+    """Decode steps queued before the previous tokens are read (as on GPUs): rows that finish
+    at different steps, a prompt admitted mid-stream, decode checkpoints taken from a cache
+    that already holds the queued input; the answers are the unpipelined ones, and a second
+    round restores from those checkpoints."""
+    loaded = tiny_loaded(tiny_family)
+    texts = [SHORT_TEXT, LONG_TEXT, "hello world", LONG_TEXT[:200]]
+    prompts = [loaded.tokenizer.encode(t) for t in texts]
+    lengths = [40, 9, 300, 17]  # 300: past a block boundary while decoding
+    config = EngineConfig(parallel=3, chunk_tokens=32, pipeline_decode=False)
+    with Engine(loaded, config) as engine:
+        expected = _streams(engine, prompts, lengths)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=tmp_path, disk_bytes=64 << 20))
+    try:
+        pipelined = EngineConfig(parallel=3, chunk_tokens=32, pipeline_decode=True)
+        with Engine(loaded, pipelined, prompt_cache) as engine:
+            first = _streams(engine, prompts, lengths)
+            assert engine.stats()["pipelined_steps"] > 200
+            # The next turn of the long answer: its prompt is the first prompt and answer.
+            follow = prompts[2] + expected[2][0][:280]
+            again = _streams(engine, [follow], [5])[0]
+        with Engine(loaded, config) as engine:
+            fresh = _streams(engine, [follow], [5])[0]
+    finally:
+        prompt_cache.close()
+    for want, got in zip(expected, first):
+        _assert_same(want, got)
+    _assert_same(fresh, again)
+    assert again[3].cached_tokens >= 256  # restored from a checkpoint taken while decoding

@@ -83,9 +83,20 @@ class EngineConfig:
     # budget (at least one chunk, so prompts never starve behind a full batch).
     mixed_prefill_tokens: int | None = None  # None: the chunk size plus `parallel`
     chunk_tokens: int | None = None  # the prefill call grid; None: by backend (above)
+    # Queue each decode step before reading the previous one's tokens, so the host's work
+    # (sampling, detokenizing, streaming) overlaps the device's. None: on GPUs only (the CPU
+    # kernels compute as they are called, so there is nothing to overlap).
+    pipeline_decode: bool | None = None
     max_kv_size: int | None = None
     kv_bits: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def resolved_pipeline_decode(self) -> bool:
+        if self.pipeline_decode is not None:
+            return self.pipeline_decode
+        import mlx.core as mx
+
+        return mx.default_device() != mx.cpu
 
     def resolved_mixed_prefill_tokens(self) -> int:
         if self.mixed_prefill_tokens is not None:

@@ -301,6 +301,8 @@ class Engine:
             "parallel": self.config.parallel,
             "max_queue": self.config.max_queue,
             "requests_finished": counters.requests_finished,
+            "steps": counters.steps,
+            "pipelined_steps": counters.pipelined_steps,
             "finish_reasons": dict(counters.finish_reasons),
             "prompt_tokens": counters.prompt_tokens,
             "prefilled_tokens": counters.prefilled_tokens,

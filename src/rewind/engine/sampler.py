@@ -138,34 +138,64 @@ class SequenceSampler:
         return mx.random.categorical(logits, key=step_key)
 
 
-def sample_rows(samplers: list[SequenceSampler], logits: mx.array) -> list[Sampled]:
-    """Sample one token per row of logits [B, vocab], row i with samplers[i]."""
-    if all(s.plain_greedy for s in samplers):
-        tokens = mx.argmax(logits, axis=-1)
-        mx.eval(tokens)
-        return [Sampled(int(t), None, None) for t in tokens.tolist()]
+@dataclass
+class LazySamples:
+    """One token per row, not evaluated yet: a pipelined decode queues the next step on
+    `tokens` before reading them."""
 
-    lazy = []
+    tokens: mx.array  # [B] int
+    # Per row: (logprob, top ids, top values), lazy, or None where the row asks for none.
+    logprobs: list[tuple[mx.array, mx.array | None, mx.array | None] | None]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.tokens, *(a for item in self.logprobs if item is not None
+                               for a in item if a is not None)]
+
+    def select(self, rows: list[int]) -> LazySamples:
+        return LazySamples(self.tokens[mx.array(rows, dtype=mx.int32)],
+                           [self.logprobs[i] for i in rows])
+
+
+def sample_lazy(samplers: list[SequenceSampler], logits: mx.array) -> LazySamples:
+    """The graph of one token per row of logits [B, vocab], row i with samplers[i]; one argmax
+    over the whole batch when every row is plain greedy."""
+    if all(s.plain_greedy for s in samplers):
+        return LazySamples(mx.argmax(logits, axis=-1), [None] * len(samplers))
+    tokens, logprobs = [], []
     for row, sampler in enumerate(samplers):
         processed = sampler.process(logits[row])
         token = sampler.draw(processed)
-        logprob = top_ids = top_values = None
+        tokens.append(token)
+        item = None
         if sampler.params.logprobs:
-            logprobs = processed - mx.logsumexp(processed)
-            logprob = logprobs[token]
+            row_logprobs = processed - mx.logsumexp(processed)
+            top_ids = top_values = None
             k = sampler.params.top_logprobs
             if k > 0:
-                top_ids = mx.argpartition(-logprobs, k - 1)[:k]
-                top_values = logprobs[top_ids]
-        lazy.append((token, logprob, top_ids, top_values))
-    mx.eval([[a for a in item if a is not None] for item in lazy])
+                top_ids = mx.argpartition(-row_logprobs, k - 1)[:k]
+                top_values = row_logprobs[top_ids]
+            item = (row_logprobs[token], top_ids, top_values)
+        logprobs.append(item)
+    return LazySamples(mx.stack(tokens).reshape(-1), logprobs)
 
+
+def read_samples(lazy: LazySamples) -> list[Sampled]:
+    """Evaluate and read the tokens (and log-probabilities) of `sample_lazy`."""
+    mx.eval(lazy.arrays())
     results = []
-    for token, logprob, top_ids, top_values in lazy:
-        top = None
-        if top_ids is not None:
-            pairs = zip(top_ids.tolist(), top_values.tolist())
-            top = sorted(((int(i), _reportable(v)) for i, v in pairs), key=lambda pair: -pair[1])
-        value = None if logprob is None else _reportable(logprob.item())
-        results.append(Sampled(int(token.item()), value, top))
+    for token, item in zip(lazy.tokens.tolist(), lazy.logprobs):
+        value = top = None
+        if item is not None:
+            logprob, top_ids, top_values = item
+            value = _reportable(logprob.item())
+            if top_ids is not None and top_values is not None:
+                pairs = zip(top_ids.tolist(), top_values.tolist())
+                top = sorted(((int(i), _reportable(v)) for i, v in pairs),
+                             key=lambda pair: -pair[1])
+        results.append(Sampled(int(token), value, top))
     return results
+
+
+def sample_rows(samplers: list[SequenceSampler], logits: mx.array) -> list[Sampled]:
+    """Sample one token per row of logits [B, vocab], row i with samplers[i]."""
+    return read_samples(sample_lazy(samplers, logits))

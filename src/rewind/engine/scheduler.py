@@ -36,7 +36,14 @@ from rewind.engine.request import (
     Usage,
 )
 from rewind.engine.runner import ModelRunner, Segment, check_chunk_tokens, chunk_ends
-from rewind.engine.sampler import Sampled, SequenceSampler, sample_rows
+from rewind.engine.sampler import (
+    LazySamples,
+    Sampled,
+    SequenceSampler,
+    read_samples,
+    sample_lazy,
+    sample_rows,
+)
 from rewind.engine.stops import TextStream
 
 log = logging.getLogger(__name__)
@@ -81,6 +88,8 @@ class Counters:
     cached_ram_tokens: int = 0
     cached_disk_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    steps: int = 0  # engine steps that ran the model
+    pipelined_steps: int = 0  # of which decode steps queued before the previous was read
 
 
 @dataclass
@@ -104,6 +113,8 @@ class Scheduler:
         self.block_tokens: int = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
         self.chunk_tokens = check_chunk_tokens(runner.chunk_tokens, self.block_tokens)
         self.mixed_prefill_tokens = config.resolved_mixed_prefill_tokens()
+        self.pipeline = config.resolved_pipeline_decode() and not takes_positions(self.model)
+        self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
         self.eos_token_ids = eos_token_ids
         self.listeners = listeners
         self.counters = Counters()
@@ -141,10 +152,19 @@ class Scheduler:
 
     def step(self) -> bool:
         """One loop iteration; False when there was nothing to do."""
+        if self._inflight is not None:
+            if self._can_pipeline():
+                self._pipelined_step()
+                return True
+            self._flush()
         self._drop_cancelled()
         self._admit()
         if not self.prefilling and not self.decoding:
             return False
+        if self._can_pipeline():
+            self._pipelined_step()
+            return True
+        self.counters.steps += 1
         rounds = self._plan_prefill()
         self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
         for chunks in rounds[1:]:
@@ -160,6 +180,48 @@ class Scheduler:
         self.prefilling.clear()
         self.decoding = []
         self.batch_cache = None
+        self._inflight = None
+
+    # ---- pipelined decode -------------------------------------------------------------------
+
+    def _can_pipeline(self) -> bool:
+        """Whether this step can be a decode step queued before the previous step's tokens are
+        read (mlx-lm's batch generator does the same): only decoding, nobody to admit or drop,
+        and no row whose next logits depend on the token before (penalties, grammars)."""
+        if not self.pipeline or not self.decoding or self.prefilling:
+            return False
+        if self.waiting and self.running < self.config.parallel:
+            return False
+        return not any(s.cancelled.is_set() or s.sampler.needs_history for s in self.decoding)
+
+    def _pipelined_step(self) -> None:
+        """Queue a decode step on the in-flight tokens (or the rows' last ones), then read and
+        emit the in-flight ones while it runs."""
+        self.counters.steps += 1
+        self.counters.pipelined_steps += 1
+        previous = self._inflight
+        inputs = (mx.array([[s.next_input] for s in self.decoding]) if previous is None
+                  else previous.tokens.reshape(-1, 1))
+        try:
+            logits = self.runner.forward(
+                [Segment(inputs, self.batch_cache or [], logits=True)], evaluate=False)[0]
+            lazy = sample_lazy([s.sampler for s in self.decoding], logits)
+            mx.async_eval(lazy.arrays())
+        except Exception as exc:
+            self._inflight = None
+            self._fail_decoding(exc)
+            return
+        self._inflight = lazy
+        if previous is not None:
+            # The step just queued fed these tokens: the caches hold them once it is done.
+            self._emit_decoded(previous, fed=True)
+
+    def _flush(self) -> None:
+        """Read and emit the in-flight step's tokens; afterwards the caches hold every generated
+        token but the last, as after an unpipelined step."""
+        lazy, self._inflight = self._inflight, None
+        if lazy is not None:
+            self._emit_decoded(lazy, fed=False)
 
     # ---- admission and cancellation ---------------------------------------------------------
 
@@ -386,16 +448,30 @@ class Scheduler:
 
     def _after_decode(self, logits: mx.array | None) -> None:
         try:
-            results = sample_rows([s.sampler for s in self.decoding], logits)
+            lazy = sample_lazy([s.sampler for s in self.decoding], logits)
         except Exception as exc:
+            self._fail_decoding(exc)
+            return
+        self._emit_decoded(lazy, fed=False)
+
+    def _emit_decoded(self, lazy: LazySamples, fed: bool) -> None:
+        """Emit one token per decoding row; rows that finish leave the batch. `fed`: a queued
+        step already took these tokens as its input (pipelined), so the caches hold them."""
+        try:
+            results = read_samples(lazy)
+        except Exception as exc:
+            self._inflight = None
             self._fail_decoding(exc)
             return
         done = [i for i, (seq, sampled) in enumerate(zip(self.decoding, results))
                 if not self._on_token(seq, sampled)]
         if self.prompt_cache is not None:
-            self._decode_checkpoints(set(done))
+            self._decode_checkpoints(set(done), fed)
         self._leave_batch(done)
         if done:
+            if self._inflight is not None:  # the queued step's tokens of those rows are void
+                keep = [i for i in range(len(results)) if i not in set(done)]
+                self._inflight = self._inflight.select(keep) if keep else None
             mx.clear_cache()
 
     def _decode_positions(self) -> mx.array | None:
@@ -409,12 +485,13 @@ class Scheduler:
         return mx.broadcast_to(mx.array(rows, dtype=mx.int32)[None, :, None],
                                (3, len(rows), 1))
 
-    def _decode_checkpoints(self, finished_rows: set[int]) -> None:
+    def _decode_checkpoints(self, finished_rows: set[int], fed: bool = False) -> None:
         """Checkpoint a decoding sequence every 256 tokens it holds and where it ends (the next
         turn of a conversation usually re-sends this answer). A row's batch cache holds its
-        prompt and every generated token but the last, which is the next step's input."""
+        prompt and every generated token but the last, which is the next step's input; with
+        `fed` (a pipelined step queued on it), the last one too."""
         for row, seq in enumerate(self.decoding):
-            held = len(seq.prompt) + len(seq.generated) - 1
+            held = len(seq.prompt) + len(seq.generated) - (0 if fed else 1)
             if held % self.block_tokens != 0 and row not in finished_rows:
                 continue
             if held <= len(seq.prompt):
@@ -424,7 +501,7 @@ class Scheduler:
             except Exception:
                 log.exception("extracting row %d for a checkpoint failed", row)
                 continue
-            self._checkpoint(seq, seq.prompt + seq.generated[:-1], single)
+            self._checkpoint(seq, (seq.prompt + seq.generated)[:held], single)
 
     # ---- tokens out -------------------------------------------------------------------------
 
