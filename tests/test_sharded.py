@@ -93,3 +93,48 @@ def test_tensor_parallel_equals_single_process(
 def test_tensor_parallel_default_model_equals_single_process(tmp_path: Path) -> None:
     sharded = run_sharded("default", tmp_path / "sharded", timeout=1200)
     check_equal(sharded, single_process("default", tmp_path / "single"))
+
+
+def test_rewind_serve_under_mlx_launch(tiny_model_path: Callable[[str], Path],
+                                       tmp_path: Path) -> None:
+    """`mlx.launch -- rewind serve`: rank 0 answers HTTP with the single process's greedy answer,
+    and the repeated request is restored (on both ranks: they agree before any prefill)."""
+    import time
+
+    import httpx
+    from live_server import tiny_live_server
+
+    folder = tiny_model_path("llama")
+    body = {"messages": [{"role": "user", "content": "Name three colours and a bird."}],
+            "max_tokens": 8, "temperature": 0}
+    with tiny_live_server(folder, tmp_path / "single") as single:
+        expected = httpx.post(f"{single.url}/v1/chat/completions", json=body, timeout=60).json()
+    port = free_port()
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+               sys.executable, "-m", "rewind", "serve", "--model", str(folder), "--port",
+               str(port), "--cache-dir", str(tmp_path / "cache")]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": src},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+                   for _ in range(2)]
+    finally:
+        os.killpg(server.pid, 15)
+        output = server.communicate(timeout=60)[0].decode(errors="replace")
+    assert server.returncode is not None
+    for answer in answers:
+        assert answer["choices"][0]["message"] == expected["choices"][0]["message"], output[-2000:]
+    assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "rank 1 of 2: loading a tensor-parallel shard" in output
