@@ -2,8 +2,9 @@
 # Set up (idempotent) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The vision extra (mlx-vlm) is installed too, so its tests run instead of skipping.
-REWIND_EXTRAS="${REWIND_EXTRAS:-dev,vision}" bash "$root/scripts/setup.sh"
+# The vision extra (mlx-vlm) and the router extra (sglang-router) are installed too, so their
+# tests run instead of skipping.
+REWIND_EXTRAS="${REWIND_EXTRAS:-dev,vision,router}" bash "$root/scripts/setup.sh"
 cd "$root"
 # The test process gets the same fast BLAS that the `rewind` command preloads for itself.
 preload="$(.venv/bin/python -m rewind.blas --preload-value)"

@@ -63,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fetch http(s) image URLs sent in requests (off: only inline "
                         "base64 images are accepted)")
     add_cpu_weights_arg(parser)
+    parser.add_argument("--pipeline", action="store_true",
+                        help="under mlx.launch: split the model's layers over the ranks "
+                        "(pipeline parallelism) instead of its heads (tensor parallelism)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=run)
@@ -117,11 +120,22 @@ def run(args: argparse.Namespace) -> int:
         logging.warning("serving on %s without --api-key: anyone who can reach it can use it",
                         config.host)
 
-    import uvicorn
+    from rewind.parallel.group import world
 
+    group = world()
+    if group is not None:  # started by mlx.launch: one shard of the model per process
+        return run_sharded(config, group, "pipeline" if args.pipeline else "tensor",
+                           args.log_level)
+    if args.pipeline:
+        print("rewind serve: --pipeline needs several processes (start it with mlx.launch)",
+              file=sys.stderr)
+        return 2
+    return serve_app(config, args.log_level)
+
+
+def serve_app(config: ServerConfig, log_level: str) -> int:
     from rewind.engine import Engine
     from rewind.models.loader import cpu_weight_options, load_model
-    from rewind.server.app import create_app
 
     import rewind
 
@@ -131,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(config.model, **cpu_weight_options(config.cpu_weights))
     prompt_cache = build_prompt_cache(loaded, config.engine.cache)
     engine = Engine(loaded, config.engine, prompt_cache).start()
+    return serve_http(loaded, engine, prompt_cache, config, log_level)
+
+
+def serve_http(loaded, engine, prompt_cache, config: ServerConfig,  # type: ignore[no-untyped-def]
+               log_level: str) -> int:
+    import uvicorn
+
+    from rewind.server.app import create_app
 
     def close() -> None:
         engine.shutdown()
@@ -141,8 +163,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving {loaded.name} ({loaded.path}) on http://{config.host}:{config.port}/v1 "
           f"with --parallel {config.engine.parallel}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
                     timeout_graceful_shutdown=5)
     finally:
         close()  # if the app never started (a port in use); a second close does nothing
+    return 0
+
+
+def run_sharded(config: ServerConfig, group, layout: str,  # type: ignore[no-untyped-def]
+                log_level: str) -> int:
+    """One rank of `mlx.launch ... -- rewind serve`: rank 0 serves HTTP and leads the engine;
+    the others hold their shard and replay rank 0's steps until it stops."""
+    from rewind.parallel.serving import build_rank_engine, load_shard
+
+    rank = group.rank()
+    print(f"rank {rank} of {group.size()}: loading a {layout}-parallel shard of {config.model}",
+          file=sys.stderr, flush=True)
+    loaded = load_shard(config.model, group, layout)
+    engine, prompt_cache = build_rank_engine(loaded, config.engine, group, layout)
+    if rank == 0:
+        return serve_http(loaded, engine.start(), prompt_cache, config, log_level)
+    try:
+        engine.run()
+    finally:
+        if prompt_cache is not None:
+            prompt_cache.close()
     return 0

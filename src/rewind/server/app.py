@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rewind.config import ServerConfig
-from rewind.server import anthropic_api, openai_api, responses_api
+from rewind.server import anthropic_api, openai_api, responses_api, worker_info
 from rewind.server.auth import ApiKeyMiddleware, key_ring
 from rewind.server.errors import ApiError, error_response, flavor_for_path, validation_message
 from rewind.server.error_shield import ErrorShield
@@ -51,6 +51,7 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(worker_info.router)
     app.add_middleware(ApiKeyMiddleware, keys=key_ring(config))
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,

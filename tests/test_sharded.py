@@ -1,0 +1,140 @@
+"""Sharded serving on loopback: `mlx.launch --backend ring -n 2` runs two ranks of the engine on
+this CPU, each with one shard of the model (tensor-parallel: heads and MLP columns split), and
+rank 0 replays every step's plan to rank 1. Greedy tokens and log-probabilities must equal a
+single process running the same MLX layers, alone and batched, uncached and cached; a second
+turn restores on every rank, at the same point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rewind.bench.harness import free_port
+
+TESTS = Path(__file__).resolve().parent
+DRIVER = TESTS / "sharded_driver.py"
+# Two reductions of the same float32 products in another order (each rank sums its half of the
+# heads, then the ring adds the halves): log-probabilities agree to ~1e-6 here.
+LOGPROB_ATOL = 1e-4
+
+
+def run_sharded(model: str, out: Path, layout: str = "tensor",
+                timeout: float = 600) -> dict[str, Any]:
+    """The driver on two ranks; returns rank 0's results and every rank's cache stats."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+               sys.executable, str(DRIVER), model, str(out)]
+    if layout == "pipeline":
+        command.append("--pipeline")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(TESTS)])}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"mlx.launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return {"results": json.loads((out / "results.json").read_text()),
+            "ranks": [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]}
+
+
+def single_process(model: str, scratch: Path) -> dict[str, Any]:
+    """The same scenario in one process on the same MLX layers (no C forward), with a cache."""
+    from sharded_driver import scenario
+
+    from rewind.cache.prompt_cache import PromptCache
+    from rewind.config import CacheConfig, EngineConfig
+    from rewind.engine import Engine
+    from rewind.models.loader import load_model
+
+    loaded = load_model(model, native_forward="off")
+    config = CacheConfig(cache_dir=scratch, disk_bytes=64 << 20)
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint, config)
+    engine = Engine(loaded, EngineConfig(parallel=4, cache=config), prompt_cache).start()
+    try:
+        return scenario(engine, int(loaded.config.get("vocab_size") or 512))
+    finally:
+        engine.shutdown()
+        prompt_cache.close()
+
+
+def check_equal(sharded: dict[str, Any], reference: dict[str, Any]) -> None:
+    results = sharded["results"]
+    assert results.keys() == reference.keys()
+    for case, expected in reference.items():
+        got = results[case]
+        assert got["tokens"] == expected["tokens"], case
+        assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=LOGPROB_ATOL), case
+        assert got["cached"] == expected["cached"], case
+    # Uncached and cached give the same answer; the repeat and the second turn were restored.
+    assert results["repeat"]["tokens"] == results["alone"]["tokens"]
+    assert results["alone"]["cached"] == 0 and results["repeat"]["cached"] > 0
+    assert results["second_turn"]["cached"] > results["repeat"]["cached"]
+    # Every rank restored, and the same number of tokens: the ranks agreed on each point.
+    restored = [rank["tokens_restored"] for rank in sharded["ranks"]]
+    assert restored[0] == restored[1] == results["repeat"]["cached"] + results["second_turn"]["cached"]
+    assert [rank["rank"] for rank in sharded["ranks"]] == [0, 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_tensor_parallel_equals_single_process(
+        family: str, tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    model = str(tiny_model_path(family))
+    sharded = run_sharded(model, tmp_path / "sharded")
+    check_equal(sharded, single_process(model, tmp_path / "single"))
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_tensor_parallel_default_model_equals_single_process(tmp_path: Path) -> None:
+    sharded = run_sharded("default", tmp_path / "sharded", timeout=1200)
+    check_equal(sharded, single_process("default", tmp_path / "single"))
+
+
+def test_rewind_serve_under_mlx_launch(tiny_model_path: Callable[[str], Path],
+                                       tmp_path: Path) -> None:
+    """`mlx.launch -- rewind serve`: rank 0 answers HTTP with the single process's greedy answer,
+    and the repeated request is restored (on both ranks: they agree before any prefill)."""
+    import time
+
+    import httpx
+    from live_server import tiny_live_server
+
+    folder = tiny_model_path("llama")
+    body = {"messages": [{"role": "user", "content": "Name three colours and a bird."}],
+            "max_tokens": 8, "temperature": 0}
+    with tiny_live_server(folder, tmp_path / "single") as single:
+        expected = httpx.post(f"{single.url}/v1/chat/completions", json=body, timeout=60).json()
+    port = free_port()
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+               sys.executable, "-m", "rewind", "serve", "--model", str(folder), "--port",
+               str(port), "--cache-dir", str(tmp_path / "cache")]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": src},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+                   for _ in range(2)]
+    finally:
+        os.killpg(server.pid, 15)
+        output = server.communicate(timeout=60)[0].decode(errors="replace")
+    assert server.returncode is not None
+    for answer in answers:
+        assert answer["choices"][0]["message"] == expected["choices"][0]["message"], output[-2000:]
+    assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "rank 1 of 2: loading a tensor-parallel shard" in output
