@@ -88,10 +88,14 @@ def folder_form(folder: Path, config: dict[str, Any] | None = None) -> str:
     return _safetensors_dtype(folder) or "unknown"
 
 
-def _base_of(name: str, folder: Path) -> str:
+def _base_of(name: str, folder: Path, kind: str) -> str:
+    """Forms of one model share a base: what they were converted from (rewind convert's
+    rewind.json), a local folder itself, else the name without its form suffix."""
     meta = _read_json(folder / META_FILE)
     if isinstance(meta.get("source"), str) and meta["source"]:
-        return Path(meta["source"]).name  # every form converted from one GGUF / folder
+        return str(Path(meta["source"]).expanduser().resolve())
+    if kind == "local":
+        return str(folder.resolve())
     return _FORM_SUFFIX.sub("", name)
 
 
@@ -110,7 +114,7 @@ def describe(name: str, path: Path, kind: str, aliases: tuple[str, ...] = (),
                         size_bytes=_size(path), context_length=None, aliases=aliases)
     config = _read_json(path / "config.json")
     return Servable(name=name, path=path, kind=kind, form=folder_form(path, config),
-                    base=base or _base_of(name, path), size_bytes=_size(path),
+                    base=base or _base_of(name, path, kind), size_bytes=_size(path),
                     context_length=context_length(config), aliases=aliases,
                     ready=is_model_folder(path))
 

@@ -48,6 +48,7 @@ def create_pool_app(pool: Any, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        pool.start()
         yield
         await pool.shutdown()
         # Here, not after uvicorn.run() returns: on SIGINT / SIGTERM uvicorn re-raises the

@@ -1,9 +1,10 @@
 """The memory budget: loaded weights + live KV caches + the prompt cache's RAM tier, under one cap.
 
 Accounting, not sampling: each loaded model counts the bytes its arrays hold (measured once it
-is loaded), each live sequence the bytes its cache holds at its token count (KvShape), the RAM
-tier its records' bytes, and the process its baseline (interpreter, libraries) measured before
-any model. Sampling RSS would see a sequence only after it crossed the line; accounting sees it
+is loaded) and a reserve for its sequences' caches (--parallel slots of --kv-reserve-tokens),
+each live sequence the bytes its cache holds at its token count (KvShape; a model's sequences
+fill its reserve first, then take room beyond it), the RAM tier its records' bytes, and the
+process its baseline (interpreter, libraries) measured before any model. Sampling RSS would see a sequence only after it crossed the line; accounting sees it
 before. When room runs short the guard acts in this order:
   1. the RAM tier shrinks (its records spill to the disk tier: they cost a read, not a recompute);
   2. a new sequence waits for room (429 with Retry-After once --max-queue are waiting);
@@ -67,7 +68,7 @@ class MemoryBudget:
         self.max_waiting = max_waiting
         self.base = int(base_bytes)
         self._lock = threading.Lock()
-        self._models: dict[str, int] = {}
+        self._models: dict[str, tuple[int, int]] = {}  # name -> (weights, KV reserve)
         self._live: dict[int, Ticket] = {}
         self._waiting = 0
         self.actions: Counter[str] = Counter()
@@ -77,11 +78,19 @@ class MemoryBudget:
     def _ram_bytes(self) -> int:
         return self.tiers.ram_bytes() if self.tiers is not None else 0
 
-    def _fixed(self) -> int:
-        """Everything but the RAM tier, which can spill."""
+    def _fixed(self, excluding: str | None = None, live: bool = True) -> int:
+        """Everything but the RAM tier, which can spill: the baseline, each model's weights and
+        the larger of its reserve and its live sequences' caches."""
         with self._lock:
-            return (self.base + sum(self._models.values())
-                    + sum(ticket.bytes for ticket in self._live.values()))
+            per_model: dict[str, int] = {}
+            if live:
+                for ticket in self._live.values():
+                    per_model[ticket.model] = per_model.get(ticket.model, 0) + ticket.bytes
+            total = self.base
+            for name, (weights, reserve) in self._models.items():
+                if name != excluding:
+                    total += weights + max(reserve, per_model.pop(name, 0))
+            return total + sum(per_model.values())  # sequences of models gone meanwhile
 
     def committed(self) -> int:
         return self._fixed() + self._ram_bytes()
@@ -91,16 +100,13 @@ class MemoryBudget:
             return sum(ticket.bytes for ticket in self._live.values())
 
     def models_bytes(self) -> int:
+        """Weights and reserves of the loaded models."""
         with self._lock:
-            return sum(self._models.values())
+            return sum(weights + reserve for weights, reserve in self._models.values())
 
-    def free_for_load(self, excluding: set[str] = frozenset()) -> int:
-        """Room for a model's weights and reserve: what is not weights of the other models, not
-        live KV and not the baseline (the RAM tier spills to make room)."""
-        with self._lock:
-            models = sum(size for name, size in self._models.items() if name not in excluding)
-            live = sum(ticket.bytes for ticket in self._live.values())
-        return self.total - self.base - models - live
+    def free_for_load(self) -> int:
+        """Room for one more model's weights and reserve (the RAM tier spills to make room)."""
+        return self.total - self._fixed()
 
     def alone_room(self) -> int:
         """What one model could have with every other unloaded and nothing running."""
@@ -108,9 +114,9 @@ class MemoryBudget:
 
     # ---- models ------------------------------------------------------------------------------
 
-    def set_model(self, name: str, nbytes: int) -> None:
+    def set_model(self, name: str, weights: int, reserve: int = 0) -> None:
         with self._lock:
-            self._models[name] = int(nbytes)
+            self._models[name] = (int(weights), int(reserve))
         self.rebalance()
 
     def drop_model(self, name: str) -> None:
@@ -124,7 +130,10 @@ class MemoryBudget:
         """A ticket for a new sequence of `tokens`, once its cache fits; waits while the
         running ones hold the room; 429 past max_waiting; 400 for a prompt that cannot fit."""
         ticket = Ticket(self, kv, tokens, model)
-        never = self.total - self.base - self.models_bytes()
+        with self._lock:
+            weights = self._models.get(model, (0, 0))[0]
+        # With nothing else running, the sequence could have its model's whole share.
+        never = self.total - self._fixed(excluding=model, live=False) - weights
         if ticket.bytes > never:
             self.actions["refuse_prompt"] += 1
             raise ApiError(400, "invalid_request",
@@ -151,18 +160,21 @@ class MemoryBudget:
         return ticket
 
     def _try_take(self, ticket: Ticket) -> bool:
-        if self._fixed() + ticket.bytes > self.total:
-            return False
         with self._lock:
             self._live[id(ticket)] = ticket
+        if self._fixed() > self.total:  # with it counted (a model's reserve absorbs it first)
+            with self._lock:
+                self._live.pop(id(ticket), None)
+            return False
         self.rebalance()
         return True
 
     def _extend(self, ticket: Ticket, extra: int) -> bool:
-        if self._fixed() + extra > self.total:
+        ticket.bytes += extra
+        if self._fixed() > self.total:
+            ticket.bytes -= extra
             self.actions["cut_length"] += 1
             return False
-        ticket.bytes += extra
         self.rebalance()
         return True
 

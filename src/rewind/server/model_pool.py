@@ -212,6 +212,10 @@ class ModelPool:
             if alive == 0:
                 asyncio.get_running_loop().create_task(self._unload_if_due(slot))
 
+    def start(self) -> None:
+        """On the server's event loop: start the idle / keep_alive clock."""
+        self._start_reaper()
+
     def _start_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
@@ -235,14 +239,18 @@ class ModelPool:
     def need_of(self, entry: Servable) -> int:
         """Bytes `entry` needs loaded: weights (measured once loaded before) + tokenizer +
         KV for --parallel slots of `reserve_tokens`."""
+        weights, reserve = self._need_parts(entry)
+        return weights + reserve
+
+    def _need_parts(self, entry: Servable) -> tuple[int, int]:
         if not entry.path.exists():
-            return 0  # the default, not converted yet: known once converted
+            return 0, 0  # the default, not converted yet: known once converted
         need = estimate_need(entry.path, self.backend, self.config.engine.parallel,
                              self.reserve_tokens, entry.context_length)
         slot = self._slots.get(entry.path.resolve())
         weights = slot.loaded_bytes if slot is not None and slot.loaded_bytes else (
             need.weights_bytes + self._tokenizer_bytes(entry.path))
-        return weights + need.reserve_bytes
+        return weights, need.reserve_bytes
 
     @staticmethod
     def _tokenizer_bytes(path: Path) -> int:
@@ -328,7 +336,7 @@ class ModelPool:
         slot.load_seconds = time.perf_counter() - started
         slot.loads += 1
         slot.state = "loaded"
-        self.budget.set_model(slot.name, slot.loaded_bytes)
+        self.budget.set_model(slot.name, *self._need_parts(slot.entry))
         log.info("loaded %s in %.2f s (%s)", slot.name, slot.load_seconds, gib(slot.loaded_bytes))
 
     def load_now(self, name: str | None) -> Slot:
@@ -341,7 +349,9 @@ class ModelPool:
         slot.loads += 1
         slot.state = "loaded"
         slot.last_used = time.monotonic()
-        self.budget.set_model(slot.name, slot.loaded_bytes)
+        if self.idle_unload is not None and self.idle_unload >= 0:
+            slot.unload_at = slot.last_used + self.idle_unload  # unused since start
+        self.budget.set_model(slot.name, *self._need_parts(slot.entry))
         return slot
 
     def _load_blocking(self, slot: Slot) -> None:
