@@ -1,4 +1,5 @@
-"""The one entry point: `rewind serve | generate | chat | convert | models | cache-prompt | cache | bench`.
+"""The one entry point: `rewind serve | generate | chat | convert | models | pull | ps |
+cache-prompt | cache | bench`.
 
 Each subcommand lives in rewind.commands.<name> with `register(subparsers)`, which adds its parser
 and sets `func`. Command modules import mlx and friends inside their functions so that `rewind
@@ -14,8 +15,8 @@ import sys
 from rewind import __version__
 from rewind.blas import ensure_openblas
 
-COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "cache_prompt", "cache",
-                   "bench")
+COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "pull", "ps", "cache_prompt",
+                   "cache", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

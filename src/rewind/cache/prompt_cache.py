@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -44,6 +44,9 @@ from rewind.cache.ram_tier import RamTier
 from rewind.cache.serialize import Record
 from rewind.config import CacheConfig, default_disk_budget
 from rewind.paths import scratch_dir
+
+if TYPE_CHECKING:
+    from rewind.cache.shared_tiers import SharedTiers
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,10 @@ def _open_store(config: CacheConfig) -> Any | None:
 class PromptCache:
     """Checkpoints and restores prompt prefixes of one model across requests."""
 
-    def __init__(self, model: Any, fingerprint: str, config: CacheConfig | None = None) -> None:
+    def __init__(self, model: Any, fingerprint: str, config: CacheConfig | None = None,
+                 tiers: SharedTiers | None = None) -> None:
+        # `model` may be swapped (or set to None while the model is unloaded, see
+        # rewind.server.model_pool): the records and the partial-point index outlive it.
         self.model = model
         self.fingerprint = fingerprint
         self.config = config or CacheConfig()
@@ -111,8 +117,15 @@ class PromptCache:
         self._partial_notes: dict[bytes, bytes] = {}  # spine key -> note (write-through only)
         self._partial_count = 0
         self.disabled_reason: str | None = None if self.config.enabled else "disabled by config"
-        self.store = _open_store(self.config) if self.config.enabled else None
-        self.ram = RamTier(self.config.ram_bytes, spill=self._spill)
+        # `tiers`: one RAM tier and one disk file shared by several models' caches (block keys
+        # carry the model's fingerprint, so records of different models never collide).
+        self._shared = tiers is not None
+        if tiers is not None:
+            self.store = tiers.store if self.config.enabled else None
+            self.ram = tiers.ram
+        else:
+            self.store = _open_store(self.config) if self.config.enabled else None
+            self.ram = RamTier(self.config.ram_bytes, spill=self._spill)
         # A persistent store writes every record through as it is made (a kill loses only the
         # newest), and brings back the partial points of an earlier process.
         self.write_through = bool(self.store is not None and self.store.persistent)
@@ -282,6 +295,9 @@ class PromptCache:
 
     def close(self) -> None:
         with self._lock:
+            if self._shared:  # the tiers belong to their SharedTiers, which closes them
+                self.store = None
+                return
             self.ram.spill = None  # shutting down: nothing more goes to disk
             self.ram.clear()
             if self.store is not None:

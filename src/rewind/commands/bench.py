@@ -29,6 +29,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "agent-session": ("rewind.bench.agent_session", "Claude Code's recorded session with and without the billing-header normalization"),
     "restart": ("rewind.bench.restart", "an agent session's next turn after a server restart, with and without --cache-persist"),
     "soak": ("rewind.bench.soak", "many streaming clients for a bounded time: errors, RSS drift, latency"),
+    "model-switch": ("rewind.bench.model_switch", "a request naming an unloaded model -> first token; switches; RSS under a budget (vs mlx-lm's server)"),
     "fuzz": ("rewind.bench.fuzz", "schemathesis against every route of a live server (robustness)"),
 }
 

@@ -14,8 +14,25 @@ from rewind.config import CacheConfig, EngineConfig, ServerConfig, parse_size
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs")
-    parser.add_argument("--model", default="default",
-                        help="registry name or model folder (default: %(default)s)")
+    parser.add_argument("--model", action="append", default=None, metavar="NAME|FOLDER",
+                        help="a model to serve, by name (`rewind models`), folder or Hugging "
+                        "Face repo id; repeatable. The first is loaded at start and is what a "
+                        "request naming no model gets; every model `rewind models` lists is "
+                        "served too, loaded on the first request that names it (default: "
+                        "default)")
+    parser.add_argument("--max-models", type=int, default=None, metavar="N",
+                        help="models loaded at once; loading one more unloads the least "
+                        "recently used (default: as many as the memory budget holds)")
+    parser.add_argument("--idle-unload", default=None, metavar="DURATION",
+                        help="unload a model unused this long, e.g. 15m (default: never; a "
+                        "request's keep_alive overrides it for its model)")
+    parser.add_argument("--memory-budget", default=None, metavar="SIZE|PERCENT",
+                        help="cap on weights + live KV caches + the prompt cache's RAM tier, "
+                        "e.g. 12GiB or 70%% (default: 80%% of RAM on the CPU, of the working set "
+                        "on Metal, of device memory on CUDA)")
+    parser.add_argument("--kv-reserve-tokens", type=int, default=4096, metavar="N",
+                        help="KV tokens per --parallel slot a model's load must leave room for "
+                        "(default: %(default)s, at most its context)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=1234)
@@ -80,7 +97,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cache.disk_bytes = parse_size(args.cache_disk)
     engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
                           max_kv_size=args.max_kv_size, cache=cache)
-    config = ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+    config = ServerConfig(model=(args.model or ["default"])[0], host=args.host, port=args.port, api_key=args.api_key,
                           api_key_file=args.api_key_file, shared_cache=args.shared_cache,
                           cors_origins=list(args.cors_origin),
                           max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
@@ -96,15 +113,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     except OSError as exc:
         raise ValueError(f"cannot read --api-key-file: {exc}") from exc
     return config
-
-
-def build_prompt_cache(loaded, config: CacheConfig):  # type: ignore[no-untyped-def]
-    """The prompt cache, or None when disabled."""
-    if not config.enabled:
-        return None
-    from rewind.cache.prompt_cache import PromptCache
-
-    return PromptCache(loaded.model, loaded.fingerprint, config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,28 +138,60 @@ def run(args: argparse.Namespace) -> int:
         print("rewind serve: --pipeline needs several processes (start it with mlx.launch)",
               file=sys.stderr)
         return 2
-    return serve_app(config, args.log_level)
+    return serve_pool(config, args)
 
 
-def serve_app(config: ServerConfig, log_level: str) -> int:
-    from rewind.engine import Engine
-    from rewind.models.loader import cpu_weight_options, load_model
+def serve_pool(config: ServerConfig, args: argparse.Namespace) -> int:
+    """One process serving every model by name (rewind.server.model_pool)."""
+    import uvicorn
 
     import rewind
+    from rewind.models.catalog import Catalog
+    from rewind.models.loader import cpu_weight_options
+    from rewind.server.app import create_pool_app
+    from rewind.server.memory_budget import gib, parse_budget
+    from rewind.server.model_pool import build_pool, parse_duration
 
+    try:
+        budget = parse_budget(args.memory_budget)
+        idle = parse_duration(args.idle_unload)
+    except ValueError as exc:
+        print(f"rewind serve: {exc}", file=sys.stderr)
+        return 2
+    models = list(args.model or ["default"])
     # Which source tree is serving (benchmarks run a frozen worktree and check this line).
     print(f"loading {config.model} (rewind from {Path(rewind.__file__).resolve().parent}) ...",
           file=sys.stderr, flush=True)
-    loaded = load_model(config.model, **cpu_weight_options(config.cpu_weights))
-    prompt_cache = build_prompt_cache(loaded, config.engine.cache)
-    engine = Engine(loaded, config.engine, prompt_cache).start()
-    return serve_http(loaded, engine, prompt_cache, config, log_level)
+    pool = build_pool(Catalog(models), config, budget, default_model=config.model,
+                      max_models=args.max_models, idle_unload=idle,
+                      reserve_tokens=args.kv_reserve_tokens,
+                      load_options=cpu_weight_options(config.cpu_weights))
+    try:
+        first = pool.load_now(config.model)
+    except Exception as exc:  # noqa: BLE001 - an ApiError or a loader error: say it and stop
+        pool.close_blocking()
+        print(f"rewind serve: cannot load {config.model}: {getattr(exc, 'message', exc)}",
+              file=sys.stderr)
+        return 1
+    close = pool.close_blocking
+    app = create_pool_app(pool, config, on_shutdown=close)
+    print(f"serving {first.name} ({first.entry.path}) on http://{config.host}:{config.port}/v1 "
+          f"with --parallel {config.engine.parallel}; {len(pool.catalog.names)} models servable "
+          f"by name, memory budget {gib(budget)}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        close()  # if the app never started (a port in use); a second close does nothing
+    return 0
 
 
 def serve_http(loaded, engine, prompt_cache, config: ServerConfig,  # type: ignore[no-untyped-def]
                log_level: str) -> int:
+    """One engine behind the HTTP API: rank 0 of a sharded model."""
     import uvicorn
 
+    import rewind
     from rewind.server.app import create_app
 
     def close() -> None:
@@ -161,12 +201,13 @@ def serve_http(loaded, engine, prompt_cache, config: ServerConfig,  # type: igno
 
     app = create_app(loaded, engine, config, prompt_cache, on_shutdown=close)
     print(f"serving {loaded.name} ({loaded.path}) on http://{config.host}:{config.port}/v1 "
-          f"with --parallel {config.engine.parallel}", file=sys.stderr, flush=True)
+          f"with --parallel {config.engine.parallel} (rewind from "
+          f"{Path(rewind.__file__).resolve().parent})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
                     timeout_graceful_shutdown=5)
     finally:
-        close()  # if the app never started (a port in use); a second close does nothing
+        close()
     return 0
 
 

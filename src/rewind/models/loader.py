@@ -218,9 +218,10 @@ def describe_compute(model: Any) -> str:
 
 
 def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
-               native_forward: str | None = None) -> LoadedModel:
+               native_forward: str | None = None, tokenizer: Any = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
-    prepare_for_backend; `dtype` overrides the per-backend compute dtype)."""
+    prepare_for_backend; `dtype` overrides the per-backend compute dtype). `tokenizer`: one
+    already loaded from the same files (a server holding two forms of one model parses it once)."""
     from mlx_lm.utils import load_model as load_mlx_model
 
     from rewind.models.folder_quirks import model_classes, model_config_overrides
@@ -235,7 +236,8 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
     classes = model_classes(config)
     model, loaded_config = load_mlx_model(
         path, model_config=overrides, **({} if classes is None else {"get_model_classes": classes}))
-    tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
     prepare_for_backend(model, dtype, cpu_head, native_forward)
     materialize_constants(model)
     release_free_heap()  # parsing tokenizer.json left ~180 MB of free heap mapped

@@ -17,7 +17,8 @@ from rewind.server.chat_format import ChatPrompt, Message
 from rewind.server.errors import ApiError, bad_request, error_body
 from rewind.server.normalize import is_request_metadata
 from rewind.server.openapi import json_body
-from rewind.server.runtime import ServerRuntime
+from rewind.server.leases import use_model
+from rewind.server.runtime import ModelRuntime
 from rewind.server.schemas import AnthropicBlock, CountTokensRequest, MessagesRequest
 from rewind.server.streaming import KEEPALIVE_SECONDS, SSE_HEADERS, Generation, sse_event
 from rewind.server.structured import request_grammar
@@ -167,7 +168,7 @@ def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
     return {"enable_thinking": effort.lower() not in _NO_THINKING_EFFORTS}
 
 
-def render(runtime: ServerRuntime, body: CountTokensRequest) -> tuple[list[Message], ChatPrompt]:
+def render(runtime: ModelRuntime, body: CountTokensRequest) -> tuple[list[Message], ChatPrompt]:
     images = runtime.image_collector()
     messages = neutral_messages(body, lambda source: _add_image(runtime, images, source))
     prompt = runtime.formatter.render(messages, _tools(body) or None,
@@ -176,7 +177,7 @@ def render(runtime: ServerRuntime, body: CountTokensRequest) -> tuple[list[Messa
     return messages, runtime.with_images(prompt, images)
 
 
-def _add_image(runtime: ServerRuntime, images: Any, source: dict[str, Any]) -> str:
+def _add_image(runtime: ModelRuntime, images: Any, source: dict[str, Any]) -> str:
     """Anthropic image sources: {"type": "base64", "media_type", "data"} or {"type": "url"}."""
     kind = source.get("type")
     if kind == "base64":
@@ -218,18 +219,16 @@ def _block(piece: Piece) -> dict[str, Any]:
 
 @router.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
 async def count_tokens(request: Request) -> Any:
-    runtime: ServerRuntime = request.app.state.runtime
-    body = await parse_body(request, CountTokensRequest, runtime.config)
-    runtime.check_model(body.model)
+    body = await parse_body(request, CountTokensRequest, request.app.state.config)
+    runtime = await use_model(request, body.model, body.keep_alive)
     _, prompt = render(runtime, body)
     return {"input_tokens": len(prompt.tokens)}
 
 
 @router.post("/v1/messages", openapi_extra=json_body(MessagesRequest))
 async def messages(request: Request) -> Any:
-    runtime: ServerRuntime = request.app.state.runtime
-    body = await parse_body(request, MessagesRequest, runtime.config)
-    runtime.check_model(body.model)
+    body = await parse_body(request, MessagesRequest, request.app.state.config)
+    runtime = await use_model(request, body.model, body.keep_alive)
     messages_, prompt = render(runtime, body)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_tokens)
     params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,

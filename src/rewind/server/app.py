@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rewind.config import ServerConfig
-from rewind.server import anthropic_api, openai_api, responses_api, worker_info
+from rewind.server import anthropic_api, models_api, openai_api, responses_api, worker_info
 from rewind.server.auth import ApiKeyMiddleware, key_ring
 from rewind.server.errors import ApiError, error_response, flavor_for_path, validation_message
 from rewind.server.error_shield import ErrorShield
+from rewind.server.leases import LeaseMiddleware
+from rewind.server.metrics import ServerMetrics
 from rewind.server.openapi import describe_bodies
-from rewind.server.runtime import ServerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,25 @@ _STATUS_KINDS = {401: "authentication", 404: "not_found", 405: "invalid_request"
 def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
                prompt_cache: Any = None,
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """An app around a loaded model and a started engine (the caller owns their lifetimes;
+    """An app around one loaded model and a started engine (the caller owns their lifetimes;
     `on_shutdown` runs when the server stops, e.g. to close them)."""
+    from rewind.server.model_pool import single_model_pool
+
     config = config or ServerConfig()
-    runtime = ServerRuntime(loaded, engine, config, prompt_cache)
+    return create_pool_app(single_model_pool(loaded, engine, config, prompt_cache), config,
+                           on_shutdown)
+
+
+def create_pool_app(pool: Any, config: ServerConfig,
+                    on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """An app serving every model of `pool` (rewind.server.model_pool.ModelPool)."""
+    server_metrics: ServerMetrics = pool.metrics
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        pool.start()
         yield
+        await pool.shutdown()
         # Here, not after uvicorn.run() returns: on SIGINT / SIGTERM uvicorn re-raises the
         # signal once it has shut down, so code after run() never runs and a persistent prompt
         # cache would lose its final index.
@@ -47,11 +59,14 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
 
     app = FastAPI(title="Rewind", version="0.1.0", docs_url=None, redoc_url=None,
                   lifespan=lifespan)
-    app.state.runtime = runtime
+    app.state.pool = pool
+    app.state.config = config
     app.include_router(openai_api.router)
+    app.include_router(models_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(worker_info.router)
+    app.add_middleware(LeaseMiddleware)
     app.add_middleware(ApiKeyMiddleware, keys=key_ring(config))
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
@@ -61,12 +76,13 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
     # usable (Starlette's own last-resort handler answers and then re-raises, so uvicorn drops
     # the keep-alive connection under the client's next request).
     app.add_middleware(ErrorShield,
-                       on_error=lambda: runtime.metrics.http_errors.labels("500").inc())
-    describe_bodies(app, lambda: sorted(runtime.model_names))
+                       on_error=lambda: server_metrics.http_errors.labels("500").inc())
+    describe_bodies(app, lambda: sorted({name for entry in pool.catalog.entries
+                                         for name in entry.names}))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        runtime.metrics.http_errors.labels(str(exc.status)).inc()
+        server_metrics.http_errors.labels(str(exc.status)).inc()
         return error_response(exc, flavor_for_path(request.url.path))
 
     @app.exception_handler(RequestValidationError)
@@ -88,13 +104,14 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not runtime.healthy():
+        if not pool.healthy():
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": runtime.model_id})
+        return JSONResponse({"status": "ok", "model": pool.default_model,
+                             "loaded": [slot.name for slot in pool.loaded()]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(runtime.metrics.render(),
+        return Response(server_metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,7 +16,8 @@ from rewind.server.body import parse_body
 from rewind.server.chat_format import Message
 from rewind.server.errors import ApiError, bad_request, error_body
 from rewind.server.openapi import json_body
-from rewind.server.runtime import ServerRuntime
+from rewind.server.leases import use_model
+from rewind.server.runtime import ModelRuntime
 from rewind.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -44,14 +46,10 @@ from rewind.server.tool_parsing import (
 router = APIRouter()
 
 
-def _runtime(request: Request) -> ServerRuntime:
-    return request.app.state.runtime
-
-
 # ---------------------------------------------------------------- request -> prompt
 
 
-# An image part's URL -> the placeholder text that marks its place (ServerRuntime.add_image).
+# An image part's URL -> the placeholder text that marks its place (ModelRuntime.add_image).
 AddImage = Callable[[Any], str]
 
 
@@ -109,7 +107,7 @@ def _tool_choice_name(choice: Any) -> str | None:
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool = False,
-                    top_logprobs: int = 0, runtime: ServerRuntime) -> SamplingParams:
+                    top_logprobs: int = 0, runtime: ModelRuntime) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -144,6 +142,11 @@ def _finish_reason(generation: Generation) -> str:
     return "length" if reason == "length" else "stop"
 
 
+def _finish_detail(generation: Generation) -> dict[str, str]:
+    """Why the memory guard ended the answer (finish_reason "length"), when it did."""
+    return {"finish_detail": generation.cut_reason} if generation.cut_reason else {}
+
+
 def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": call.id, "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments}}
@@ -152,7 +155,7 @@ def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return out
 
 
-def _logprobs_json(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[str, Any]:
+def _logprobs_json(runtime: ModelRuntime, events: list[TokenEvent]) -> dict[str, Any]:
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = runtime.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -170,9 +173,8 @@ def _logprobs_json(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[str
 
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Any:
-    runtime = _runtime(request)
-    body = await parse_body(request, ChatCompletionRequest, runtime.config)
-    runtime.check_model(body.model)
+    body = await parse_body(request, ChatCompletionRequest, request.app.state.config)
+    runtime = await use_model(request, body.model, body.keep_alive)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     choice = _tool_choice_name(body.tool_choice)
     images = runtime.image_collector()
@@ -217,12 +219,12 @@ async def chat_completions(request: Request) -> Any:
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(generation),
                      "logprobs": _logprobs_json(runtime, generation.token_events)
-                     if body.logprobs else None}],
+                     if body.logprobs else None, **_finish_detail(generation)}],
         "usage": usage_json(generation.usage),
     })
 
 
-async def _chat_stream(runtime: ServerRuntime, generation: Generation, completion_id: str,
+async def _chat_stream(runtime: ModelRuntime, generation: Generation, completion_id: str,
                        model: str, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -252,7 +254,9 @@ async def _chat_stream(runtime: ServerRuntime, generation: Generation, completio
         error = ApiError(500, "server", f"generation failed: {finish.error}")
         yield sse_data(error_body(error, "openai"))
     else:
-        yield chunk({}, _finish_reason(generation))
+        final = json.loads(chunk({}, _finish_reason(generation))[len("data: "):])
+        final["choices"][0].update(_finish_detail(generation))
+        yield sse_data(final)
     if include_usage:
         yield sse_data({"id": completion_id, "object": "chat.completion.chunk",
                         "created": created, "model": model, "choices": [],
@@ -271,7 +275,7 @@ def _delta(piece: Piece, tool_index: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- /v1/completions
 
 
-def _prompt_tokens(runtime: ServerRuntime, prompt: str | list[str] | list[int]) -> list[int]:
+def _prompt_tokens(runtime: ModelRuntime, prompt: str | list[str] | list[int]) -> list[int]:
     # The schema lets through one text, a list of one text, or a non-empty list of ids.
     if isinstance(prompt, list) and isinstance(prompt[0], int):
         return list(prompt)  # type: ignore[arg-type]
@@ -283,16 +287,15 @@ def _prompt_tokens(runtime: ServerRuntime, prompt: str | list[str] | list[int]) 
 
 @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> Any:
-    runtime = _runtime(request)
-    body = await parse_body(request, CompletionRequest, runtime.config)
-    runtime.check_model(body.model)
+    body = await parse_body(request, CompletionRequest, request.app.state.config)
+    runtime = await use_model(request, body.model, body.keep_alive)
     tokens = _prompt_tokens(runtime, body.prompt)
     max_tokens = runtime.max_new_tokens(len(tokens), body.max_tokens)
     params = sampling_params(body, max_tokens, logprobs=body.logprobs is not None,
                              top_logprobs=body.logprobs or 0, runtime=runtime)
     plain = OutputSplitter(OutputFormat(think_start=None, think_end=None), parse_tools=False)
-    handle = runtime.submit(tokens, params, [len(tokens)],
-                            salt=runtime.cache_salt(request, body.cache_salt))
+    handle = await runtime.submit_async(tokens, params, [len(tokens)],
+                                        salt=runtime.cache_salt(request, body.cache_salt))
     generation = Generation(runtime, "completions", request, handle, plain,
                             keep_tokens=body.logprobs is not None)
     completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -316,7 +319,7 @@ async def completions(request: Request) -> Any:
     })
 
 
-def _legacy_logprobs(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[str, Any]:
+def _legacy_logprobs(runtime: ModelRuntime, events: list[TokenEvent]) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
     def text(token: int) -> str:
         return runtime.tokenizer.decode([token])
@@ -327,7 +330,7 @@ def _legacy_logprobs(runtime: ServerRuntime, events: list[TokenEvent]) -> dict[s
             "text_offset": []}
 
 
-async def _completion_stream(runtime: ServerRuntime, generation: Generation, completion_id: str,
+async def _completion_stream(runtime: ModelRuntime, generation: Generation, completion_id: str,
                              model: str, include_usage: bool, echo: str) -> AsyncIterator[str]:
     created = int(time.time())
     logged = 0
@@ -357,24 +360,3 @@ async def _completion_stream(runtime: ServerRuntime, generation: Generation, com
         yield sse_data({"id": completion_id, "object": "text_completion", "created": created,
                         "model": model, "choices": [], "usage": usage_json(generation.usage)})
     yield sse_data("[DONE]")
-
-
-# ---------------------------------------------------------------- /v1/models
-
-
-@router.get("/v1/models")
-async def list_models(request: Request) -> Any:
-    runtime = _runtime(request)
-    return {"object": "list", "data": [_model_json(runtime)]}
-
-
-@router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request) -> Any:
-    runtime = _runtime(request)
-    runtime.check_model(model_id)
-    return _model_json(runtime)
-
-
-def _model_json(runtime: ServerRuntime) -> dict[str, Any]:
-    return {"id": runtime.model_id, "object": "model", "created": runtime.created,
-            "owned_by": "rewind", "context_length": runtime.context_length}

@@ -22,7 +22,8 @@ from rewind.server.body import parse_body
 from rewind.server.chat_format import Message
 from rewind.server.errors import bad_request
 from rewind.server.openapi import json_body
-from rewind.server.runtime import ServerRuntime
+from rewind.server.leases import use_model
+from rewind.server.runtime import ModelRuntime
 from rewind.server.schemas import (
     ResponsesCustomToolCallItem,
     ResponsesFunctionCallItem,
@@ -224,9 +225,8 @@ class _Output:
 
 @router.post("/v1/responses", openapi_extra=json_body(ResponsesRequest))
 async def responses(request: Request) -> Any:
-    runtime: ServerRuntime = request.app.state.runtime
-    body = await parse_body(request, ResponsesRequest, runtime.config)
-    runtime.check_model(body.model)
+    body = await parse_body(request, ResponsesRequest, request.app.state.config)
+    runtime = await use_model(request, body.model, body.keep_alive)
     if body.previous_response_id:
         raise bad_request("previous_response_id is not supported: this server stores no "
                           "responses; send the whole conversation as input (the prompt cache "

@@ -1,5 +1,6 @@
-"""What every endpoint shares: the loaded model, the engine, the chat formatter, the limits and
-the metrics; plus the checks that turn engine and context limits into API errors."""
+"""What every endpoint needs of one model: the loaded model, its engine, the chat formatter, the
+limits; plus the checks that turn engine, context and memory limits into API errors. One per
+loaded model (rewind.server.model_pool owns them); the metrics are the server's, shared."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from rewind.engine import (
 from rewind.server.auth import request_cache_salt
 from rewind.server.chat_format import ChatFormatter, ChatPrompt
 from rewind.server.errors import ApiError, bad_request
+from rewind.models.catalog import context_length
+from rewind.models.memory_estimate import KvShape
+from rewind.server.memory_budget import MemoryBudget
 from rewind.server.metrics import ServerMetrics
 from rewind.server.tool_parsing import OutputFormat
 from rewind.vision.images import ImageCollector, ImageError, ImageLimits
@@ -54,18 +58,10 @@ def _added_tokens(tokenizer: Any) -> dict[str, int]:
             for index, token in decoder.items()}
 
 
-def context_length(model_config: dict[str, Any]) -> int | None:
-    """The model's trained context, from its config (nested text_config for multimodal ones)."""
-    for config in (model_config, model_config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-            if isinstance(config.get(key), int) and config[key] > 0:
-                return config[key]
-    return None
-
-
-class ServerRuntime:
-    def __init__(self, loaded: Any, engine: Any, config: ServerConfig,
-                 prompt_cache: Any = None) -> None:
+class ModelRuntime:
+    def __init__(self, loaded: Any, engine: Any, config: ServerConfig, metrics: ServerMetrics,
+                 prompt_cache: Any = None, budget: MemoryBudget | None = None,
+                 kv: KvShape | None = None) -> None:
         self.loaded = loaded
         self.engine = engine
         self.config = config
@@ -80,22 +76,12 @@ class ServerRuntime:
         self.vision, self.vision_unavailable = _vision_adapter(loaded)
         self.image_limits = ImageLimits(allow_urls=config.allow_image_urls,
                                         max_images=config.max_images)
-        self.metrics = ServerMetrics(engine.stats,
-                                     prompt_cache.stats if prompt_cache is not None else None)
+        self.metrics = metrics
+        self.budget = budget
+        self.kv = kv  # per-sequence cache bytes, for the memory budget (None: not accounted)
+        self.fallback_note: str | None = None  # set on a lease served by a smaller form
         if hasattr(engine, "add_sample_listener"):
             engine.add_sample_listener(self.metrics.on_engine_sample)
-
-    @property
-    def model_names(self) -> set[str]:
-        path = self.loaded.path
-        return {self.model_id, path.name, str(path)}
-
-    def check_model(self, name: str | None) -> None:
-        """An absent model means the one loaded; any other name than its own is a 404."""
-        if name is None or name in self.model_names:
-            return
-        raise ApiError(404, "not_found", f"model {name!r} is not served here; this server serves "
-                       f"{self.model_id!r}", param="model", code="model_not_found")
 
     def check_prompt_length(self, prompt_tokens: int) -> None:
         limit = self.config.max_prompt_tokens
@@ -202,13 +188,29 @@ class ServerRuntime:
         except EngineStoppedError as exc:
             raise ApiError(503, "overloaded", str(exc)) from exc
 
-    async def submit_async(self, *args: Any, **kwargs: Any) -> RequestHandle:
-        """submit() for the event loop: a request with a grammar compiles it first, which takes
-        milliseconds, or seconds the first time (llguidance reads the model's vocabulary:
+    async def submit_async(self, tokens: list[int], *args: Any, **kwargs: Any) -> RequestHandle:
+        """submit() for the event loop, after the memory budget admits the prompt's cache (it
+        may wait for room, or answer 429). A request with a grammar compiles it first, which
+        takes milliseconds, or seconds the first time (llguidance reads the model's vocabulary:
         ~4 s and ~240 MB for Gemma's 262k tokens), and must not stall every other stream."""
-        if kwargs.get("grammar") is None:
-            return self.submit(*args, **kwargs)
-        return await asyncio.to_thread(self.submit, *args, **kwargs)
+        self.check_prompt_length(len(tokens))
+        ticket = None
+        if self.budget is not None and self.kv is not None:
+            ticket = await self.budget.admit(self.kv, len(tokens) + 1, self.model_id)
+            from rewind.server.leases import track_ticket
+
+            track_ticket(ticket)
+        try:
+            if kwargs.get("grammar") is None:
+                handle = self.submit(tokens, *args, **kwargs)
+            else:
+                handle = await asyncio.to_thread(self.submit, tokens, *args, **kwargs)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
+        handle.memory_ticket = ticket  # type: ignore[attr-defined]  # read by Generation
+        return handle
 
     def healthy(self) -> bool:
         alive = getattr(self.engine, "alive", True)

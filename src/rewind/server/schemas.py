@@ -95,6 +95,8 @@ class SamplingFields(_Lenient):
     user: str | None = None
     # vLLM's field: prefixes cached under one salt are never a hit under another.
     cache_salt: str | None = None
+    # Ollama's: how long the model stays loaded after this request (30s, 15m, 0, -1 forever).
+    keep_alive: str | float | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -201,6 +203,7 @@ class ResponsesReasoningConfig(_Lenient):
 
 class ResponsesRequest(_Lenient):
     model: str | None = None
+    keep_alive: str | float | None = None
     input: str | list[ResponsesItem]
     instructions: str | None = None
     tools: list[ResponsesTool] | None = None
@@ -273,6 +276,7 @@ class AnthropicOutputConfig(_Lenient):
 
 class CountTokensRequest(_Lenient):
     model: str | None = None
+    keep_alive: str | float | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicBlock] | None = None
     tools: list[AnthropicTool] | None = None
@@ -293,3 +297,10 @@ class MessagesRequest(CountTokensRequest):
     # prefix is cached anyway.
     metadata: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
+
+
+class ModelActionRequest(_Lenient):
+    """POST /v1/models/load and /v1/models/unload."""
+
+    model: str = Field(min_length=1)
+    keep_alive: str | float | None = None

@@ -20,30 +20,39 @@ from fastapi.responses import JSONResponse
 router = APIRouter(include_in_schema=False)
 
 
-def _runtime(request: Request) -> Any:
-    return request.app.state.runtime
+def _pool(request: Request) -> Any:
+    return request.app.state.pool
 
 
-def server_info(runtime: Any) -> dict[str, Any]:
+def _default(pool: Any) -> Any:
+    """The slot of the model a request naming none gets: the one a router files us under."""
+    return pool.slot(None)
+
+
+def server_info(pool: Any) -> dict[str, Any]:
     # No model_path on purpose: given one, the router tries to load a tokenizer from that
     # path on its own machine, which is not where the worker's folder is in general.
-    engine = runtime.engine.stats()
-    return {"served_model_name": runtime.model_id, "version": "rewind",
-            "max_running_requests": engine.get("parallel"),
-            "max_total_tokens": runtime.context_length}
+    slot = _default(pool)
+    runtime = slot.runtime
+    return {"served_model_name": slot.name, "version": "rewind",
+            "max_running_requests": pool.engine_stats().get("parallel") or pool.config.engine.parallel,
+            "max_total_tokens": (runtime.context_length if runtime is not None
+                                 else slot.entry.context_length)}
 
 
-def model_info(runtime: Any) -> dict[str, Any]:
-    config = runtime.loaded.config or {}
+def model_info(pool: Any) -> dict[str, Any]:
+    slot = _default(pool)
+    config = (slot.runtime.loaded.config if slot.runtime is not None else None) or {}
     return {"model_type": config.get("model_type"),
             "architectures": config.get("architectures"), "is_generation": True}
 
 
-def load(runtime: Any) -> list[dict[str, int]]:
+def load(pool: Any) -> list[dict[str, int]]:
     """One entry per data-parallel rank (a replica has one), in the shape SGLang's workers
     answer. The router reads `num_tokens` as the load; Rewind counts requests held (decoding,
-    prefilling or waiting for a slot), which is what its slots are bounded by."""
-    engine = runtime.engine.stats()
+    prefilling or waiting for a slot) over every loaded model, which is what its slots are
+    bounded by."""
+    engine = pool.engine_stats()
     queued = int(engine.get("queued", 0))
     held = int(engine.get("running", 0)) + queued
     return [{"dp_rank": 0, "num_reqs": held, "num_waiting_reqs": queued, "num_tokens": held}]
@@ -52,15 +61,15 @@ def load(runtime: Any) -> list[dict[str, int]]:
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> JSONResponse:
-    return JSONResponse(server_info(_runtime(request)))
+    return JSONResponse(server_info(_pool(request)))
 
 
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> JSONResponse:
-    return JSONResponse(model_info(_runtime(request)))
+    return JSONResponse(model_info(_pool(request)))
 
 
 @router.get("/get_load")
 async def get_load(request: Request) -> JSONResponse:
-    return JSONResponse(load(_runtime(request)))
+    return JSONResponse(load(_pool(request)))

@@ -1,0 +1,242 @@
+"""The memory budget: loaded weights + live KV caches + the prompt cache's RAM tier, under one cap.
+
+Accounting, not sampling: each loaded model counts the bytes its arrays hold (measured once it
+is loaded) and a reserve for its sequences' caches (--parallel slots of --kv-reserve-tokens),
+each live sequence the bytes its cache holds at its token count (KvShape; a model's sequences
+fill its reserve first, then take room beyond it), the RAM tier its records' bytes, and the
+process its baseline (interpreter, libraries) measured before any model. Sampling RSS would see a sequence only after it crossed the line; accounting sees it
+before. When room runs short the guard acts in this order:
+  1. the RAM tier shrinks (its records spill to the disk tier: they cost a read, not a recompute);
+  2. a new sequence waits for room (429 with Retry-After once --max-queue are waiting);
+  3. a running sequence that would cross the budget is ended with finish_reason "length".
+Everything here runs on the event loop's thread except stats(), hence the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+from rewind.models.memory_estimate import KvShape
+from rewind.server.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+WAIT_POLL_SECONDS = 0.05
+RETRY_AFTER_SECONDS = 2
+GUARD_ACTIONS = ("ram_spill", "wait", "reject_429", "cut_length", "unload_lru", "fallback",
+                 "refuse_load", "refuse_prompt")
+
+
+def gib(value: int) -> str:
+    return f"{value / (1 << 30):.2f} GiB"
+
+
+class Ticket:
+    """One sequence's share of the budget: the bytes of its cache at its current length."""
+
+    def __init__(self, budget: MemoryBudget, kv: KvShape, tokens: int, model: str) -> None:
+        self.budget = budget
+        self.kv = kv
+        self.tokens = tokens
+        self.bytes = kv.bytes_for(tokens)
+        self.model = model
+        self.released = False
+
+    def grow(self, tokens: int = 1) -> bool:
+        """Account `tokens` more; False (nothing changed) when that would cross the budget."""
+        wanted = self.kv.bytes_for(self.tokens + tokens)
+        if wanted > self.bytes and not self.budget._extend(self, wanted - self.bytes):
+            return False
+        self.tokens += tokens
+        return True
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget._release(self)
+
+
+class MemoryBudget:
+    def __init__(self, total_bytes: int, tiers: Any = None, max_waiting: int = 64,
+                 base_bytes: int = 0) -> None:
+        self.total = int(total_bytes)
+        self.tiers = tiers  # rewind.cache.shared_tiers.SharedTiers, or None
+        self.max_waiting = max_waiting
+        self.base = int(base_bytes)
+        self._lock = threading.Lock()
+        self._models: dict[str, tuple[int, int]] = {}  # name -> (weights, KV reserve)
+        self._live: dict[int, Ticket] = {}
+        self._waiting = 0
+        self.actions: Counter[str] = Counter()
+
+    # ---- what is committed -------------------------------------------------------------------
+
+    def _ram_bytes(self) -> int:
+        return self.tiers.ram_bytes() if self.tiers is not None else 0
+
+    def _fixed(self, excluding: str | None = None, live: bool = True) -> int:
+        """Everything but the RAM tier, which can spill: the baseline, each model's weights and
+        the larger of its reserve and its live sequences' caches."""
+        with self._lock:
+            per_model: dict[str, int] = {}
+            if live:
+                for ticket in self._live.values():
+                    per_model[ticket.model] = per_model.get(ticket.model, 0) + ticket.bytes
+            total = self.base
+            for name, (weights, reserve) in self._models.items():
+                if name != excluding:
+                    total += weights + max(reserve, per_model.pop(name, 0))
+            return total + sum(per_model.values())  # sequences of models gone meanwhile
+
+    def committed(self) -> int:
+        return self._fixed() + self._ram_bytes()
+
+    def live_bytes(self) -> int:
+        with self._lock:
+            return sum(ticket.bytes for ticket in self._live.values())
+
+    def models_bytes(self) -> int:
+        """Weights and reserves of the loaded models."""
+        with self._lock:
+            return sum(weights + reserve for weights, reserve in self._models.values())
+
+    def free_for_load(self) -> int:
+        """Room for one more model's weights and reserve (the RAM tier spills to make room)."""
+        return self.total - self._fixed()
+
+    def alone_room(self) -> int:
+        """What one model could have with every other unloaded and nothing running."""
+        return self.total - self.base
+
+    # ---- models ------------------------------------------------------------------------------
+
+    def set_model(self, name: str, weights: int, reserve: int = 0) -> None:
+        with self._lock:
+            self._models[name] = (int(weights), int(reserve))
+        self.rebalance()
+
+    def drop_model(self, name: str) -> None:
+        with self._lock:
+            self._models.pop(name, None)
+        self.rebalance()
+
+    # ---- sequences ---------------------------------------------------------------------------
+
+    async def admit(self, kv: KvShape, tokens: int, model: str) -> Ticket:
+        """A ticket for a new sequence of `tokens`, once its cache fits; waits while the
+        running ones hold the room; 429 past max_waiting; 400 for a prompt that cannot fit."""
+        ticket = Ticket(self, kv, tokens, model)
+        with self._lock:
+            weights = self._models.get(model, (0, 0))[0]
+        # With nothing else running, the sequence could have its model's whole share.
+        never = self.total - self._fixed(excluding=model, live=False) - weights
+        if ticket.bytes > never:
+            self.actions["refuse_prompt"] += 1
+            raise ApiError(400, "invalid_request",
+                           f"this prompt's cache needs {gib(ticket.bytes)} ({tokens} tokens on "
+                           f"{model!r}); the memory budget ({gib(self.total)}, --memory-budget) "
+                           f"leaves {gib(max(0, never))} beside the loaded models",
+                           param="messages", code="insufficient_memory")
+        if self._try_take(ticket):
+            return ticket
+        if self._waiting >= self.max_waiting:
+            self.actions["reject_429"] += 1
+            raise ApiError(429, "rate_limit",
+                           f"the memory budget ({gib(self.total)}) is in use by running "
+                           f"sequences and {self._waiting} requests wait for room; retry later",
+                           code="memory_budget_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        self.actions["wait"] += 1
+        self._waiting += 1
+        try:
+            while not self._try_take(ticket):
+                await asyncio.sleep(WAIT_POLL_SECONDS)
+        finally:
+            self._waiting -= 1
+        return ticket
+
+    def _try_take(self, ticket: Ticket) -> bool:
+        with self._lock:
+            self._live[id(ticket)] = ticket
+        if self._fixed() > self.total:  # with it counted (a model's reserve absorbs it first)
+            with self._lock:
+                self._live.pop(id(ticket), None)
+            return False
+        self.rebalance()
+        return True
+
+    def _extend(self, ticket: Ticket, extra: int) -> bool:
+        ticket.bytes += extra
+        if self._fixed() > self.total:
+            ticket.bytes -= extra
+            self.actions["cut_length"] += 1
+            return False
+        self.rebalance()
+        return True
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._live.pop(id(ticket), None)
+        self.rebalance()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    # ---- the RAM tier ------------------------------------------------------------------------
+
+    def rebalance(self) -> None:
+        """The RAM tier gets what the rest leaves (up to its own --cache-ram): shrinking it
+        spills its oldest records to disk."""
+        if self.tiers is None:
+            return
+        room = max(0, self.total - self._fixed())
+        held = self._ram_bytes()
+        if held > room:
+            self.actions["ram_spill"] += 1
+            log.info("memory budget: the prompt cache's RAM tier spills %s to disk",
+                     gib(held - room))
+        self.tiers.restore_ram_budget(room)
+
+    def stats(self) -> dict[str, Any]:
+        return {"budget_bytes": self.total, "committed_bytes": self.committed(),
+                "base_bytes": self.base, "models_bytes": self.models_bytes(),
+                "live_kv_bytes": self.live_bytes(), "ram_tier_bytes": self._ram_bytes(),
+                "waiting": self._waiting, "actions": dict(self.actions)}
+
+
+def default_budget_bytes(fraction: float = 0.8) -> int:
+    """80% of what the backend can use: RAM on the CPU, the recommended working set on Metal,
+    device memory on CUDA."""
+    import mlx.core as mx
+
+    info: dict[str, Any] = {}
+    try:
+        info = dict(mx.device_info())
+    except Exception:  # noqa: BLE001 - older MLX: fall back to RAM
+        info = {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if mx.default_device() != mx.cpu and isinstance(info.get(key), int):
+            return int(info[key] * fraction)
+    import psutil
+
+    return int(psutil.virtual_memory().total * fraction)
+
+
+def parse_budget(text: str | None) -> int:
+    """'80%' (of the backend's memory), '12GiB', '500MB' -> bytes; None -> 80%."""
+    from rewind.config import parse_size
+
+    if text is None:
+        return default_budget_bytes()
+    text = text.strip()
+    if text.endswith("%"):
+        fraction = float(text[:-1]) / 100
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--memory-budget {text}: a percentage from 1% to 100%")
+        return default_budget_bytes(fraction)
+    return parse_size(text)
