@@ -3,6 +3,7 @@
     rewind           `rewind serve` (prompt cache with RAM hot tier + disk tier)
     rewind-nocache   `rewind serve --no-prompt-cache`
     rewind-ram       `rewind serve` with the disk tier off, everything kept in RAM
+    rewind-int8      `rewind serve --cpu-weights int8` (int8 layers and head on the CPU)
     mlx-lm           `mlx_lm server` on the same converted MLX folder
     llama.cpp        llama.cpp's own `llama-server` (built from source by
                      scripts/install-llama-cpp.sh) on the Q4_K_M GGUF the MLX folder came from
@@ -34,7 +35,7 @@ LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
                                        REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
 
-SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "mlx-lm", "llama.cpp")
+SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "rewind-int8", "mlx-lm", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
             argv.append("--no-prompt-cache")
         elif name == "rewind-ram":
             argv.append("--no-disk-cache")
+        elif name == "rewind-int8":
+            argv.extend(["--cpu-weights", "int8"])
         argv.extend(options.extra_rewind_args)
         return ServerProcess(name, argv, port, log_path, env=openblas_env(),
                              ready_paths=("/health",))
@@ -274,6 +277,8 @@ def describe_server(name: str) -> str:
         "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier), MLX folder",
         "rewind-nocache": "rewind serve --no-prompt-cache, MLX folder",
         "rewind-ram": "rewind serve --no-disk-cache (everything in RAM), MLX folder",
+        "rewind-int8": "rewind serve --cpu-weights int8 (int8 copies of the layers and head: "
+                       "half the bytes a token, perplexity +1.3%), MLX folder",
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "
                   "a float32 copy of the folder, as Rewind's loader computes in float32)",
         "llama.cpp": f"llama-server ({llama_cpp_version() or 'not built'}), built from source, "
