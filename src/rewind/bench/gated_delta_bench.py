@@ -79,8 +79,8 @@ def _recurrence_rows(args: argparse.Namespace, recurrence: Any) -> list[dict[str
 
 def _prefill_row(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
+    from rewind.cache.kv import make_cache
     from rewind.engine import gated_delta
     from rewind.engine.forward import last_logits
     from rewind.models.loader import load_model
@@ -94,7 +94,7 @@ def _prefill_row(args: argparse.Namespace) -> dict[str, Any]:
     prompt = mx.array([[3 + (i * 7919) % 30000 for i in range(args.prompt_tokens)]])
 
     def prefill() -> mx.array:
-        logits = last_logits(model, prompt, make_prompt_cache(model))
+        logits = last_logits(model, prompt, make_cache(model))
         mx.eval(logits)
         return logits
 

@@ -80,8 +80,8 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
                    context: list[int] | None = None,
                    perplexity_text: str | None = None) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
+    from rewind.cache.kv import make_cache
     from rewind.engine.fast_head import fast_head
     from rewind.engine.native_forward import native_forward
     from rewind.engine.single import generate_tokens
@@ -91,7 +91,7 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     model = loaded.model
     for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
         pass
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     if context:  # one sampled token, no decode step: the cache holds exactly the context
         for _ in generate_tokens(model, context, cache=cache, max_tokens=1):
             pass
