@@ -157,18 +157,10 @@ def _mlx_lm_as_shipped() -> Iterator[None]:
     """Rewind's loader points mlx-lm's model modules, process-wide, at its CPU attention and
     gated delta kernels (rewind.engine.cpu_attention, rewind.engine.gated_delta); their switches
     make them defer to mlx-lm's own code while an mlx-lm row runs."""
-    from rewind.engine import cpu_attention, gated_delta
+    from rewind import env
 
-    saved = {name: os.environ.get(name) for name in (cpu_attention.ENV, gated_delta.ENV)}
-    os.environ.update({name: "off" for name in saved})
-    try:
+    with env.overridden({env.CPU_ATTENTION: "off", env.GATED_DELTA: "off"}):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,
