@@ -47,18 +47,21 @@ def test_capacity_doubles_in_multiples_of_256() -> None:
 
 def test_growing_cache_holds_what_kvcache_holds() -> None:
     ours, theirs = GrowingKVCache(), KVCache()
-    growths = 0
+    growths, their_growths = 0, 0
     for step, n in enumerate([300, 300, 100] + [1] * 700 + [5, 200]):
         rows = _rows(n, seed=step)
         before = None if ours.keys is None else ours.keys.shape[2]
+        their_before = None if theirs.keys is None else theirs.keys.shape[2]
         got = ours.update_and_fetch(*rows)
         want = theirs.update_and_fetch(*rows)
         growths += before != ours.keys.shape[2]
+        their_growths += their_before != theirs.keys.shape[2]
         assert got[0].shape == want[0].shape
         assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
         _assert_contiguous_slice(ours)
     assert ours.offset == theirs.offset == 1605
-    assert growths <= 5  # 512, 1024, 2048 (mlx-lm's grew 5 times and copied every time)
+    assert growths == 3  # 512, then 1024 and 2048: doubling
+    assert their_growths == 6 and theirs.keys.shape[2] % kv.STEP != 0  # 256 at a time, off-grid
     assert ours.trim(10) == 10 and theirs.trim(10) == 10
     rows = _rows(3, seed=99)
     assert mx.array_equal(ours.update_and_fetch(*rows)[0], theirs.update_and_fetch(*rows)[0])
