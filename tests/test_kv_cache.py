@@ -1,6 +1,6 @@
-"""Rewind's growing KV caches hold exactly what mlx-lm's hold, in buffers that grow
-geometrically, whose capacity is a multiple of 256 and whose live rows start at the buffer's
-start; the model computes the same logits with them."""
+"""Rewind's growing KV caches hold exactly what mlx-lm's hold, in buffers that grow along a
+geometric ladder of capacities (multiples of 256) with the live rows at the buffer's start; the
+model computes the same logits with them, and the memory budget counts their capacity."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from rewind.cache import kv
+from rewind.cache import capacity, kv
 from rewind.cache.kv import GrowingBatchKVCache, GrowingKVCache, make_cache
 
 
@@ -31,18 +31,21 @@ def _assert_contiguous_slice(cache: GrowingKVCache | GrowingBatchKVCache) -> Non
     """The layout MLX's CUDA decode attention needs: capacity a multiple of 256, and the live
     rows the slice [..., :rows, :] of the buffer itself (not of a view into it)."""
     for buffer, live in zip((cache.keys, cache.values), cache.keys_and_values()):
-        assert buffer.shape[2] % kv.STEP == 0
+        assert buffer.shape[2] % capacity.STEP == 0
         assert mx.array_equal(live, buffer[..., :live.shape[2], :])
 
 
-def test_capacity_doubles_in_multiples_of_256() -> None:
-    assert kv.next_capacity(1, 0) == 256
-    assert kv.next_capacity(300, 0) == 512  # the first allocation is mlx-lm's: round_up(needed)
-    assert kv.next_capacity(513, 512) == 1024
-    assert kv.next_capacity(8193, 8192) == 16384
-    assert kv.next_capacity(3000, 512) == 3072  # a chunk bigger than a doubling
-    assert kv.next_capacity(1025, 1024, bound=1100) == 1280  # never past the bound (rounded up)
-    assert kv.next_capacity(2000, 1024, bound=1100) == 2048  # unless the rows need it
+def test_capacity_ladder() -> None:
+    rungs = [capacity.capacity_for(n) for n in range(0, 70000, 7)]
+    ladder = sorted(set(rungs))
+    assert ladder[:10] == [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert all(rung % 256 == 0 for rung in ladder)
+    assert all(1.33 <= b / a <= 1.5 for a, b in zip(ladder[2:], ladder[3:]))  # geometric
+    for n in range(1, 70000, 7):
+        held = capacity.capacity_for(n)
+        assert n <= held and (n <= 512 or held - n <= held / 3)  # a third spare at most
+    assert capacity.next_capacity(1025, bound=1100) == 1280  # never past the bound (rounded up)
+    assert capacity.next_capacity(2000, bound=1100) == 2048  # unless the rows need it
 
 
 def test_growing_cache_holds_what_kvcache_holds() -> None:
@@ -60,18 +63,18 @@ def test_growing_cache_holds_what_kvcache_holds() -> None:
         assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
         _assert_contiguous_slice(ours)
     assert ours.offset == theirs.offset == 1605
-    assert growths == 3  # 512, then 1024 and 2048: doubling
-    assert their_growths == 6 and theirs.keys.shape[2] % kv.STEP != 0  # 256 at a time, off-grid
+    assert growths == 5  # 512, then 768, 1024, 1536, 2048: up the ladder
+    assert their_growths == 6 and theirs.keys.shape[2] % capacity.STEP != 0  # 256 a time, off-grid
     assert ours.trim(10) == 10 and theirs.trim(10) == 10
     rows = _rows(3, seed=99)
     assert mx.array_equal(ours.update_and_fetch(*rows)[0], theirs.update_and_fetch(*rows)[0])
 
 
 def test_bound_caps_growth() -> None:
-    cache = GrowingKVCache(bound=600)
-    cache.update_and_fetch(*_rows(512, seed=0))
+    cache = GrowingKVCache(bound=1100)
+    cache.update_and_fetch(*_rows(1024, seed=0))
     cache.update_and_fetch(*_rows(1, seed=1))
-    assert cache.keys.shape[2] == 768  # round_up(600), not 1024
+    assert cache.keys.shape[2] == 1280  # round_up(1100), not the ladder's 1536
 
 
 def _batch_pair(lengths: list[int]) -> tuple[BatchKVCache, GrowingBatchKVCache]:
@@ -192,13 +195,13 @@ def test_saved_cache_loads_as_growing(tmp_path: Path) -> None:
         _assert_contiguous_slice(ours)
 
 
-def test_state_drops_the_spare_rows_of_a_doubling() -> None:
+def test_state_drops_the_spare_rows_of_a_trimmed_cache() -> None:
     cache = GrowingKVCache()
-    cache.update_and_fetch(*_rows(512, seed=0))
-    cache.update_and_fetch(*_rows(1, seed=1))
-    assert cache.keys.shape[2] == 1024
+    cache.update_and_fetch(*_rows(1025, seed=0))
+    assert cache.keys.shape[2] == 1536
+    cache.trim(600)
     keys, values, offset = cache.state
-    assert keys.shape[2] == values.shape[2] == 768 and offset == 513
+    assert keys.shape[2] == values.shape[2] == 512 and offset == 425
     restored = GrowingKVCache.from_state(cache.state)
     assert mx.array_equal(restored.keys_and_values()[0], cache.keys_and_values()[0])
 
@@ -206,3 +209,23 @@ def test_state_drops_the_spare_rows_of_a_doubling() -> None:
 def test_from_saved_refuses_a_name_that_is_no_cache() -> None:
     with pytest.raises(ValueError, match="no cache class"):
         kv.from_saved("make_prompt_cache", [])
+
+
+def test_capacity_depends_on_the_tokens_alone() -> None:
+    """However the tokens arrive (chunks, single rows, a merge), a cache of n tokens has the
+    ladder's capacity for n, which is what the memory budget counts."""
+    import random
+
+    from rewind.models.memory_estimate import KvShape
+
+    rng = random.Random(0)
+    for trial in range(5):
+        cache = GrowingKVCache()
+        while cache.offset < 5000:
+            cache.update_and_fetch(*_rows(rng.choice([1, 1, 7, 64, 300, 512, 1000]), seed=trial))
+            assert cache.keys.shape[2] == capacity.capacity_for(cache.offset)
+    merged = GrowingKVCache.merge([cache])
+    assert merged.keys.shape[2] == capacity.capacity_for(cache.offset)
+    shape = KvShape(full_layers=1, window_layers=0, window=0, linear_layers=0, token_bytes=1,
+                    state_bytes=0)
+    assert [shape.bytes_for(n) for n in (1, 600, 1025, 5000)] == [256, 768, 1536, 6144]

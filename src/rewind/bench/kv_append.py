@@ -5,14 +5,16 @@ through the caches' own `update_and_fetch`, as a decode step does:
 
 - mlx-lm's KVCache grows its buffer 256 positions at a time, each growth a copy of the whole
   buffer: one step in 256 copies N rows, so the amortized cost of a token grows with N.
-- Rewind's GrowingKVCache (rewind.cache.kv) at least doubles its buffer when it grows: one copy of
-  N rows per N appended tokens, so the amortized cost is the same at any N.
+- Rewind's GrowingKVCache (rewind.cache.kv) grows along a geometric ladder of capacities
+  (rewind.cache.capacity: ..., 4096, 6144, 8192, 12288, ...): one copy of N rows per N/3 to N/2
+  appended tokens, so the amortized cost is the same at any N.
 
-A growth happens once per period (256 tokens for mlx-lm's; N for Rewind's at N, a power of two
-times 256), so each class is timed over one whole period starting from the state it is in when it
-holds exactly N tokens after growing its own way (full: the first append grows): the figure is
-the amortized cost, growth included, as in real use. The two classes run side by side per N in
-one process. `concatenate` (a full copy every step, as a naive cache does) can be added.
+A growth happens once per period (256 tokens for mlx-lm's; N/2 for Rewind's at N, a power of
+two times 256, whose next rung is 1.5 N), so each class is timed over one whole period starting
+from the state it is in when it holds exactly N tokens after growing its own way (full: the
+first append grows): the figure is the amortized cost, growth included, as in real use. The two
+classes run side by side per N in one process. `concatenate` (a full copy every step, as a naive
+cache does) can be added.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _token(dtype: Any = mx.bfloat16) -> mx.array:
 def _full_cache(cls: Callable[[], Any], length: int) -> Any:
     """A cache of class `cls` holding `length` tokens in the buffer its own growth gives it when
     the last of them arrived: a buffer of exactly `length` rows (full), for both classes when
-    `length` is a multiple of 256 (mlx-lm's) or a power of two times 256 (Rewind's)."""
+    `length` is a multiple of 256 (mlx-lm's) or a rung of the ladder (Rewind's)."""
     cache = cls()
     rows = mx.zeros((1, SHAPE_HEADS, length, SHAPE_DIM), dtype=mx.bfloat16)
     cache.update_and_fetch(rows, rows)
@@ -128,8 +130,8 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
         "step (all caches), measured side by side in one process. Each class starts full at N (its "
         "next append grows, as it would after growing its own way to N) and is timed over one "
         "whole growth period, so its one growth (a copy of the buffer) is included, amortized as "
-        "in real use: 256 appends for mlx-lm's (it grows 256 rows at a time), N for Rewind's (it "
-        "doubles).",
+        "in real use: 256 appends for mlx-lm's (it grows 256 rows at a time), N/2 for Rewind's "
+        "(from N = 2^k x 256 its next capacity is 1.5 N).",
         "",
         f"Command: `{command}`",
         "",

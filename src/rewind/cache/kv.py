@@ -3,8 +3,10 @@
 Why: mlx-lm's KVCache (and BatchKVCache) grows its buffer 256 positions at a time, each growth a
 copy of the whole buffer, so at 8k of context one append in 256 copies 8k rows: the amortized
 cost of a token grows with the context (`rewind bench kv-append`: 2.0 ms a step at 512, 13.1 ms
-at 8,192). Here a growth at least doubles the capacity (never past the request's bound, where
-one is given), so a token costs the same at 8k as at 512.
+at 8,192). Here a buffer's capacity is the rung of a geometric ladder (rewind.cache.capacity:
+256, 512, 768, 1024, 1536, 2048, 3072, ...) that holds its rows, never past the request's bound
+where one is given, so a token costs the same at 8k as at 512, and the memory budget counts
+exactly the capacity a cache of n tokens has.
 
 What stays as mlx-lm has it, because other code relies on it:
 - The capacity is a multiple of STEP (256) and the live K/V is the slice [..., :offset, :] of one
@@ -29,22 +31,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, make_prompt_cache
 
-STEP = 256  # capacities are multiples of this (mlx-lm's KVCache.step; MLX CUDA's kv_cache_step)
-GROWTH = 2  # a growth at least doubles: the copies of a sequence's life sum to < 2x its rows
-
-
-def round_up(rows: int) -> int:
-    return -(-rows // STEP) * STEP
-
-
-def next_capacity(needed: int, current: int, bound: int | None = None) -> int:
-    """The capacity to grow to: room for `needed` rows, at least GROWTH x `current`, but not past
-    `bound` (the most rows the cache will hold, when known) unless `needed` is; a multiple of
-    STEP. The first allocation (current 0) is round_up(needed), as mlx-lm's."""
-    capacity = max(needed, GROWTH * current)
-    if bound is not None:
-        capacity = min(capacity, max(needed, bound))
-    return round_up(capacity)
+from rewind.cache.capacity import STEP, capacity_for, next_capacity
 
 
 def repack(array: mx.array, start: int, stop: int, capacity: int) -> mx.array:
@@ -59,15 +46,16 @@ def repack(array: mx.array, start: int, stop: int, capacity: int) -> mx.array:
 
 
 def _fitted(array: mx.array | None, live: int) -> mx.array | None:
-    """`array` itself when its capacity is a multiple of STEP, else repacked to one (a buffer
-    from mlx-lm's growth or extract, or from a file those made)."""
+    """`array` itself when its capacity is a multiple of STEP, else repacked to the ladder's
+    (a buffer from mlx-lm's growth or extract, or from a file those made)."""
     if array is None or array.shape[2] % STEP == 0:
         return array
-    return repack(array, 0, live, round_up(live))
+    return repack(array, 0, live, capacity_for(live))
 
 
 class GrowingKVCache(KVCache):
-    """mlx-lm's KVCache with geometric growth (see the module's docstring)."""
+    """mlx-lm's KVCache whose buffer grows along the capacity ladder (see the module's
+    docstring)."""
 
     # The prompt cache's record layout and key name this class as mlx-lm's: the records are the
     # same, so stores written before this class existed keep matching.
@@ -82,8 +70,7 @@ class GrowingKVCache(KVCache):
         prev = self.offset
         needed = prev + keys.shape[2]
         if self.keys is None or needed > self.keys.shape[2]:
-            current = 0 if self.keys is None else self.keys.shape[2]
-            capacity = next_capacity(needed, current, self.bound)
+            capacity = next_capacity(needed, self.bound)
             if self.keys is None:
                 batch, heads = keys.shape[:2]
                 self.keys = mx.zeros((batch, heads, capacity, keys.shape[3]), keys.dtype)
@@ -98,11 +85,11 @@ class GrowingKVCache(KVCache):
 
     @property
     def state(self) -> tuple[Any, Any, int]:
-        """mlx-lm's (keys, values, offset), the buffers cut to round_up(offset) rows: a saved
-        cache does not carry the spare rows of the last doubling."""
-        if self.keys is None or self.keys.shape[2] == round_up(self.offset):
+        """mlx-lm's (keys, values, offset), the buffers cut to the ladder's capacity for offset
+        rows: a cache trimmed after it grew does not save its spare rows."""
+        rows = None if self.keys is None else min(self.keys.shape[2], capacity_for(self.offset))
+        if rows is None or rows == self.keys.shape[2]:
             return self.keys, self.values, self.offset
-        rows = round_up(self.offset)
         return self.keys[..., :rows, :], self.values[..., :rows, :], self.offset
 
     @state.setter
@@ -116,16 +103,15 @@ class GrowingKVCache(KVCache):
 
 
 class GrowingBatchKVCache(BatchKVCache):
-    """mlx-lm's BatchKVCache (left-padded rows, one buffer) with geometric growth, and merge,
-    extend, filter and extract that keep the live rows a slice from the start of a buffer whose
-    capacity is a multiple of STEP."""
+    """mlx-lm's BatchKVCache (left-padded rows, one buffer) growing along the capacity ladder,
+    with merge, extend, filter and extract that keep the live rows a slice from the start of a
+    buffer whose capacity is a multiple of STEP."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev = self._idx
         needed = prev + keys.shape[2]
         if self.keys is None or needed > self.keys.shape[2]:
-            current = 0 if self.keys is None else self.keys.shape[2]
-            capacity = next_capacity(needed, current)
+            capacity = next_capacity(needed)
             if self.keys is None:
                 batch, heads = keys.shape[:2]
                 self.keys = mx.zeros((batch, heads, capacity, keys.shape[3]), keys.dtype)
@@ -142,7 +128,7 @@ class GrowingBatchKVCache(BatchKVCache):
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> GrowingBatchKVCache:
         """One row per cache, right-justified to the longest (mlx-lm's merge), in a buffer of
-        round_up(longest) rows instead of exactly the longest."""
+        the ladder's capacity for the longest instead of exactly the longest."""
         lengths = [c.size() for c in caches]
         longest = max(lengths)
         if longest == 0:
@@ -152,7 +138,7 @@ class GrowingBatchKVCache(BatchKVCache):
         key_dim = max(c.keys.shape[3] for c in filled)
         value_dim = max(c.values.shape[3] for c in filled)
         dtype = filled[0].keys.dtype
-        capacity = round_up(longest)
+        capacity = capacity_for(longest)
         keys = mx.zeros((len(caches), heads, capacity, key_dim), dtype)
         values = mx.zeros((len(caches), heads, capacity, value_dim), dtype)
         padding = [longest - length for length in lengths]
@@ -185,19 +171,19 @@ class GrowingBatchKVCache(BatchKVCache):
         shift = min(self.left_padding.tolist())
         if shift > 0:
             if self.keys is not None:
-                capacity = round_up(self._idx - shift)
+                capacity = capacity_for(self._idx - shift)
                 self.keys = repack(self.keys, shift, self._idx, capacity)
                 self.values = repack(self.values, shift, self._idx, capacity)
             self._idx -= shift
             self.left_padding -= shift
 
     def extract(self, idx: int) -> GrowingKVCache:
-        """Row `idx` alone, without its padding, as a batch-1 cache (capacity round_up(rows))."""
+        """Row `idx` alone, without its padding, as a batch-1 cache (the ladder's capacity)."""
         cache = GrowingKVCache()
         padding = int(self.left_padding[idx].item())
         rows = self._idx - padding
-        cache.keys = repack(self.keys[idx:idx + 1], padding, self._idx, round_up(rows))
-        cache.values = repack(self.values[idx:idx + 1], padding, self._idx, round_up(rows))
+        cache.keys = repack(self.keys[idx:idx + 1], padding, self._idx, capacity_for(rows))
+        cache.values = repack(self.values[idx:idx + 1], padding, self._idx, capacity_for(rows))
         cache.offset = rows
         return cache
 
@@ -216,7 +202,7 @@ def make_cache(model: Any, max_kv_size: int | None = None, bound: int | None = N
     """The model's fresh per-layer cache, as mlx-lm's make_prompt_cache builds it (the model's own
     make_cache where it has one, RotatingKVCache layers under max_kv_size), with every plain
     KVCache a GrowingKVCache. `bound`: the most tokens the cache will hold (prompt + answer),
-    when known; growth then stops there instead of doubling past it."""
+    when known; growth then stops there instead of going up the ladder past it."""
     return [_swapped(layer, bound) for layer in make_prompt_cache(model, max_kv_size=max_kv_size)]
 
 

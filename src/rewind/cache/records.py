@@ -36,11 +36,11 @@ from mlx_lm.models.cache import (
 )
 
 from rewind.cache.blocks import BlockIdentity
-from rewind.cache.kv import STEP, GrowingKVCache
+from rewind.cache.capacity import capacity_for
+from rewind.cache.kv import GrowingKVCache
 from rewind.cache.serialize import Record
 
 KV, WINDOW, STATE = "kv", "window", "state"
-PREALLOC_STEP = STEP  # restored caches' capacity: a multiple of 256, as a fresh cache's
 _KV_CLASSES = (KVCache, GrowingKVCache, QuantizedKVCache)
 
 
@@ -257,10 +257,11 @@ class RestoreParts:
 
 
 def _preallocated(pieces: list[mx.array], end: int) -> mx.array:
-    """Concatenate row pieces and pad with zeros to the next multiple of PREALLOC_STEP: the live
-    rows a slice from the start of a buffer whose capacity is a multiple of 256, as in a fresh
-    cache (MLX's CUDA decode attention takes its fused path only for such a cache)."""
-    capacity = -(-end // PREALLOC_STEP) * PREALLOC_STEP
+    """Concatenate row pieces and pad with zeros to the capacity a fresh cache of `end` rows has
+    (rewind.cache.capacity's ladder): the live rows a slice from the start of a buffer whose
+    capacity is a multiple of 256 (MLX's CUDA decode attention takes its fused path only for
+    such a cache), and the bytes the memory budget counts for them."""
+    capacity = capacity_for(end)
     first = pieces[0]
     padding = capacity - end
     if padding:
