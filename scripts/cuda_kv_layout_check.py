@@ -7,7 +7,7 @@ runs its vector kernel. This runs one decode step's attention per case, each in 
 with cuDNN's API log on, and counts cuDNN's execute calls: cuDNN is used by nothing else here,
 so any means the fused path was taken.
 
-Cases: Rewind's GrowingKVCache fresh (past a doubling), restored from prompt-cache records
+Cases: Rewind's GrowingKVCache fresh (past a growth), restored from prompt-cache records
 (rewind.cache.records.rebuild), merged into a batch (GrowingBatchKVCache; with mlx-lm's array
 mask and without one), and extracted from a batch; mlx-lm's KVCache on and off the 256 grid and
 its extract, as controls that show the count tells the two paths apart.
@@ -27,7 +27,7 @@ from pathlib import Path
 HEADS, KV_HEADS, DIM = 32, 8, 64  # Llama-3.2-1B's attention shape
 
 CASES = {
-    "growing_fresh": "Rewind GrowingKVCache, 1000-token prefill + 40 decode rows (doubled to 2048)",
+    "growing_fresh": "Rewind GrowingKVCache, 1000-token prefill + 40 decode rows (grown to 1536)",
     "growing_restored": "Rewind GrowingKVCache rebuilt from prompt-cache records at 600 tokens",
     "growing_merged_masked": "GrowingBatchKVCache of 2 rows (600, 300), mlx-lm's array mask",
     "growing_merged_unmasked": "GrowingBatchKVCache of 2 equal rows (600, 600), no mask",
