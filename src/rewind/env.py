@@ -86,9 +86,13 @@ NO_OPENBLAS = Var("REWIND_NO_OPENBLAS", "any value: keep MLX's reference BLAS, n
 BLAS_REEXEC = Var("REWIND_BLAS_REEXEC", "set by `rewind` itself when it re-executes with OpenBLAS")
 # Read by scripts/setup.sh (the shell), never by Python; declared so it is not reported unknown.
 EXTRAS = Var("REWIND_EXTRAS", "the pip extras scripts/setup.sh installs")
+# `rewind ps`: which server to ask, and its key (the flags --url and --api-key win).
+URL = Var("REWIND_URL", "the server `rewind ps` asks (default http://127.0.0.1:1234)")
+API_KEY = Var("REWIND_API_KEY", "the key `rewind ps` sends to the server")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, FAST_GELU,
-                        NO_AVX512, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS)
+                        NO_AVX512, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS,
+                        URL, API_KEY)
 
 
 def check_all() -> list[str]:
@@ -149,6 +153,14 @@ def no_openblas() -> bool:
 
 def blas_reexecuted() -> bool:
     return BLAS_REEXEC.get() is not None
+
+
+def server_url() -> str | None:
+    return URL.get()
+
+
+def api_key() -> str | None:
+    return API_KEY.get()
 
 
 @contextmanager
