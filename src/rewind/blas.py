@@ -13,9 +13,10 @@ import os
 import platform
 import sys
 
-# Guards against an exec loop and lets a user opt out.
-_REEXEC_MARK = "REWIND_BLAS_REEXEC"
-_OPT_OUT = "REWIND_NO_OPENBLAS"
+from rewind import env
+
+# Guards against an exec loop (REWIND_BLAS_REEXEC) and lets a user opt out (REWIND_NO_OPENBLAS).
+_REEXEC_MARK = env.BLAS_REEXEC.name
 
 _CANDIDATES = (
     "/usr/lib/*/openblas-pthread/libblas.so.3",
@@ -45,7 +46,7 @@ def status() -> str:
         return "BLAS: platform default (Accelerate/Metal on macOS)"
     if openblas_active():
         return "BLAS: OpenBLAS (preloaded)"
-    if os.environ.get(_OPT_OUT):
+    if env.no_openblas():
         return "BLAS: MLX reference BLAS (OpenBLAS disabled by REWIND_NO_OPENBLAS)"
     if find_openblas() is None:
         return ("BLAS: MLX reference BLAS (slow). Install Debian's libopenblas0-pthread "
@@ -57,7 +58,7 @@ def preload_value() -> str:
     """LD_PRELOAD value that adds OpenBLAS to the current one (unchanged when none is found)."""
     current = os.environ.get("LD_PRELOAD", "")
     lib = find_openblas()
-    if platform.system() != "Linux" or lib is None or openblas_active() or os.environ.get(_OPT_OUT):
+    if platform.system() != "Linux" or lib is None or openblas_active() or env.no_openblas():
         return current
     return f"{lib}:{current}" if current else lib
 
@@ -67,20 +68,20 @@ def ensure_openblas(argv: list[str]) -> None:
 
     Called first thing by the CLI, before mlx is imported. Returns when nothing is to be done.
     """
-    if platform.system() != "Linux" or openblas_active() or os.environ.get(_REEXEC_MARK):
+    if platform.system() != "Linux" or openblas_active() or env.blas_reexecuted():
         return
-    if os.environ.get(_OPT_OUT) or "mlx.core" in sys.modules:
+    if env.no_openblas() or "mlx.core" in sys.modules:
         return
     value = preload_value()
     if not value or "openblas" not in value:
         return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = value
-    env[_REEXEC_MARK] = "1"
+    child = dict(os.environ)
+    child["LD_PRELOAD"] = value
+    child[_REEXEC_MARK] = "1"
     # BLAS threads beyond the physical cores fight each other and MLX's own threads.
-    env.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
+    child.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "rewind", *argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", "rewind", *argv], child)
     except OSError:
         return  # keep running on the reference BLAS; status() says so
 

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from rewind import __version__
+from rewind import __version__, env
 from rewind.blas import ensure_openblas
 
 COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "pull", "ps", "cache_prompt",
@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # a bad REWIND_* value stops here, before the re-exec and minutes of model loading
+        warnings = env.check_all()
+        if not env.blas_reexecuted():  # said once, not again by the re-executed process
+            for warning in warnings:
+                print(f"rewind: warning: {warning}", file=sys.stderr)
+    except env.EnvError as exc:
+        print(f"rewind: {exc}", file=sys.stderr)
+        sys.exit(2)
     ensure_openblas(argv)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from rewind.cache.file_io import DiskFaults
 
 BLOCK_TOKENS = 256  # checkpoint / prefill-chunk granularity, in tokens
+KV_BITS = (2, 3, 4, 5, 6, 8)  # the bits MLX quantizes to (a quantized KV cache)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -58,6 +59,24 @@ class CacheConfig:
     # Tests only: faults injected under the disk tier's file I/O (rewind.cache.file_io).
     disk_faults: DiskFaults | None = None
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range (run when built; call again
+        after changing a field)."""
+        _check([
+            (self.block_tokens >= 1, f"cache block tokens must be at least 1, not {self.block_tokens}"),
+            (self.ram_bytes >= 0, f"the cache's RAM budget must not be negative ({self.ram_bytes})"),
+            (self.disk_bytes is None or self.disk_bytes >= 0,
+             f"the cache's disk budget must not be negative ({self.disk_bytes})"),
+            (self.writer_queue >= 1, f"the writer queue must hold at least 1 record, not {self.writer_queue}"),
+            (self.snapshot_records >= 1,
+             f"the index snapshot interval must be at least 1 record, not {self.snapshot_records}"),
+            (self.snapshot_seconds > 0,
+             f"the index snapshot interval must be positive, not {self.snapshot_seconds} s"),
+        ])
+
 
 # Model calls of a prefill end on multiples of this many prompt tokens (it divides the block
 # size, so checkpoints stay chunk ends). On the CPU a call's cost grows with its tokens, and a
@@ -90,6 +109,28 @@ class EngineConfig:
     max_kv_size: int | None = None
     kv_bits: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range (run when built)."""
+        _check([
+            (self.parallel >= 1, f"parallel must be at least 1, not {self.parallel}"),
+            (self.max_queue >= 0, f"max queue must not be negative ({self.max_queue})"),
+            (self.prefill_chunk >= 1, f"the prefill chunk must be at least 1 token, not {self.prefill_chunk}"),
+            (self.mixed_prefill_tokens is None or self.mixed_prefill_tokens >= 1,
+             f"the mixed-step token budget must be at least 1, not {self.mixed_prefill_tokens}"),
+            # That it divides the block size is checked where the block size is known (the
+            # engine's prompt cache may have its own): rewind.engine.runner.check_chunk_tokens.
+            (self.chunk_tokens is None or self.chunk_tokens >= 1,
+             f"chunk tokens must be at least 1, not {self.chunk_tokens}"),
+            (self.max_kv_size is None or self.max_kv_size >= 1,
+             f"max KV size must be at least 1, not {self.max_kv_size}"),
+            (self.kv_bits is None or self.kv_bits in KV_BITS,
+             f"KV bits must be one of {', '.join(map(str, KV_BITS))}, not {self.kv_bits}"),
+        ])
+        self.cache.validate()
 
     def resolved_pipeline_decode(self) -> bool:
         if self.pipeline_decode is not None:
@@ -127,9 +168,13 @@ class ServerConfig:
     cpu_weights: str = "exact"  # rewind.models.loader.CPU_WEIGHTS
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raise ValueError naming the first setting out of range."""
-        checks = [
+        """Raise ValueError naming the first setting out of range (run when built; call again
+        after changing a field)."""
+        _check([
             (0 <= self.port <= 65535, f"port {self.port} is not a TCP port"),
             (self.max_body_bytes >= 1024, "the body limit must be at least 1KiB"),
             (self.body_idle_seconds > 0, "the body timeout must be positive"),
@@ -137,9 +182,11 @@ class ServerConfig:
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              "max prompt tokens must be at least 1"),
             (self.max_images >= 0, "max images must not be negative"),
-            (self.engine.parallel >= 1, "parallel must be at least 1"),
-            (self.engine.max_queue >= 0, "max queue must not be negative"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        ])
+        self.engine.validate()
+
+
+def _check(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rewind import env
+
 
 def cache_home() -> Path:
     """$REWIND_HOME, else $XDG_CACHE_HOME/rewind, else ~/.cache/rewind."""
-    if os.environ.get("REWIND_HOME"):
-        return Path(os.environ["REWIND_HOME"]).expanduser()
+    home = env.home()
+    if home is not None:
+        return home
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "rewind"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -79,9 +78,9 @@ def _recurrence_rows(args: argparse.Namespace, recurrence: Any) -> list[dict[str
 
 def _prefill_row(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    from rewind.engine import gated_delta
+    from rewind import env
+    from rewind.cache.kv import make_cache
     from rewind.engine.forward import last_logits
     from rewind.models.loader import load_model
     from rewind.testing.tiny_models import build_tiny_model
@@ -94,23 +93,19 @@ def _prefill_row(args: argparse.Namespace) -> dict[str, Any]:
     prompt = mx.array([[3 + (i * 7919) % 30000 for i in range(args.prompt_tokens)]])
 
     def prefill() -> mx.array:
-        logits = last_logits(model, prompt, make_prompt_cache(model))
+        logits = last_logits(model, prompt, make_cache(model))
         mx.eval(logits)
         return logits
 
     timings, logits = {}, {}
     for path in ("rewind", "off", "rewind", "off"):  # alternate, keep the second of each
-        if path == "off":
-            os.environ[gated_delta.ENV] = "off"
-        else:
-            os.environ.pop(gated_delta.ENV, None)
-        started = time.perf_counter()
-        logits[path] = prefill()
-        timings[path] = time.perf_counter() - started
+        with env.overridden({env.GATED_DELTA: "on" if path == "rewind" else "off"}):
+            started = time.perf_counter()
+            logits[path] = prefill()
+            timings[path] = time.perf_counter() - started
         print(f"prefill {args.prompt_tokens} tokens, gated delta "
               f"{'in Rewind' if path == 'rewind' else 'in mlx-lm ops'}: {timings[path]:.2f} s",
               flush=True)
-    os.environ.pop(gated_delta.ENV, None)
     scale = max(1.0, float(mx.abs(logits["off"]).max()))
     from rewind.models.loader import describe_compute
 

@@ -35,14 +35,14 @@ def register(parser: argparse.ArgumentParser) -> None:
 def _speed(model, prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) through Rewind's forward seam: logits for the last position only."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
+    from rewind.cache.kv import make_cache
     from rewind.engine.forward import last_logits
 
     prompt = mx.array([[2] + [(7 * i) % 5000 + 100 for i in range(prefill_tokens - 1)]])
-    warm_cache = make_prompt_cache(model)
+    warm_cache = make_cache(model)
     mx.eval(last_logits(model, prompt[:, :16], warm_cache))  # first-call setup out of the timing
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     started = time.perf_counter()
     logits = last_logits(model, prompt, cache)
     mx.eval(logits)

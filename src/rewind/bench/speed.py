@@ -80,8 +80,8 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
                    context: list[int] | None = None,
                    perplexity_text: str | None = None) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
+    from rewind.cache.kv import make_cache
     from rewind.engine.fast_head import fast_head
     from rewind.engine.native_forward import native_forward
     from rewind.engine.single import generate_tokens
@@ -91,7 +91,7 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     model = loaded.model
     for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
         pass
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     if context:  # one sampled token, no decode step: the cache holds exactly the context
         for _ in generate_tokens(model, context, cache=cache, max_tokens=1):
             pass
@@ -157,18 +157,10 @@ def _mlx_lm_as_shipped() -> Iterator[None]:
     """Rewind's loader points mlx-lm's model modules, process-wide, at its CPU attention and
     gated delta kernels (rewind.engine.cpu_attention, rewind.engine.gated_delta); their switches
     make them defer to mlx-lm's own code while an mlx-lm row runs."""
-    from rewind.engine import cpu_attention, gated_delta
+    from rewind import env
 
-    saved = {name: os.environ.get(name) for name in (cpu_attention.ENV, gated_delta.ENV)}
-    os.environ.update({name: "off" for name in saved})
-    try:
+    with env.overridden({env.CPU_ATTENTION: "off", env.GATED_DELTA: "off"}):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,

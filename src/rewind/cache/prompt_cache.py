@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from rewind.cache import records as rec
 from rewind.cache.blocks import (
     BlockChain,
@@ -40,6 +38,7 @@ from rewind.cache.blocks import (
     images_digest,
     root_key,
 )
+from rewind.cache.kv import make_cache
 from rewind.cache.ram_tier import RamTier
 from rewind.cache.serialize import Record
 from rewind.config import CacheConfig, default_disk_budget
@@ -161,7 +160,7 @@ class PromptCache:
         """Live caches for the longest restorable prefix of `tokens`, leaving >= 1 token."""
         started = time.perf_counter()
         with self._lock:
-            template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+            template = make_cache(self.model, max_kv_size=max_kv_size)
             try:
                 restored = self._restore_into(template, list(tokens), extras)
             except (KeyError, ValueError) as error:
@@ -169,7 +168,7 @@ class PromptCache:
                 # a stale format): recompute rather than fail the request.
                 log.warning("prompt-cache restore failed, recomputing: %s", error)
                 self._counters["restore_errors"] += 1
-                fresh = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+                fresh = make_cache(self.model, max_kv_size=max_kv_size)
                 restored = Restored(cache=fresh, tokens=0, ram_tokens=0, disk_tokens=0, seconds=0.0)
             seconds = time.perf_counter() - started
             restored.seconds = seconds
@@ -196,7 +195,7 @@ class PromptCache:
             except rec.UnsupportedCacheError as error:
                 # Not fatal for the cache as a whole: the caller may have handed a batched
                 # cache by mistake. A model whose own caches are unsupported is turned off
-                # by restore(), which builds them from make_prompt_cache.
+                # by restore(), which builds them from make_cache.
                 self._counters["unsupported_checkpoints"] += 1
                 log.warning("checkpoint skipped: %s", error)
                 return
@@ -283,7 +282,7 @@ class PromptCache:
     ) -> dict[str, bytes]:
         """Tier keys of the records at point len(tokens): "kv" (the spine record of its block),
         "window" (its window rows) and "state" (for inspection, tests and debugging)."""
-        template = make_prompt_cache(self.model, max_kv_size=max_kv_size)
+        template = make_cache(self.model, max_kv_size=max_kv_size)
         chain = BlockChain(tokens, self._root(template, extras), extras, self.block_tokens)
         key = chain.at(len(tokens)).key
         return {rec.KV: key, rec.WINDOW: key + _TAG[rec.WINDOW], rec.STATE: key + _TAG[rec.STATE]}

@@ -36,10 +36,12 @@ from mlx_lm.models.cache import (
 )
 
 from rewind.cache.blocks import BlockIdentity
+from rewind.cache.capacity import capacity_for
+from rewind.cache.kv import GrowingKVCache
 from rewind.cache.serialize import Record
 
 KV, WINDOW, STATE = "kv", "window", "state"
-PREALLOC_STEP = 256  # mlx-lm's KVCache.step: restored caches grow like fresh ones
+_KV_CLASSES = (KVCache, GrowingKVCache, QuantizedKVCache)
 
 
 class UnsupportedCacheError(TypeError):
@@ -62,9 +64,9 @@ def leaves(cache: Sequence[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def kind_of(layer: Any) -> str:
-    # Order matters: check the exact classes mlx-lm uses; subclasses of ArraysCache (MambaCache)
-    # are recurrent state too.
-    if type(layer) is KVCache or type(layer) is QuantizedKVCache:
+    # Order matters: check the exact classes (mlx-lm's, and Rewind's GrowingKVCache, which holds
+    # the same rows); subclasses of ArraysCache (MambaCache) are recurrent state too.
+    if type(layer) in _KV_CLASSES:
         return KV
     if type(layer) is RotatingKVCache:
         return WINDOW
@@ -79,7 +81,8 @@ def describe_layout(cache: Sequence[Any]) -> str:
     parts = []
     for path, layer in leaves(cache):
         kind_of(layer)  # raises on an unsupported class
-        name = type(layer).__name__
+        # GrowingKVCache names itself KVCache: same records, so stores written before it match.
+        name = getattr(type(layer), "layout_name", type(layer).__name__)
         if isinstance(layer, RotatingKVCache):
             name += f"(max_size={layer.max_size},keep={layer.keep})"
         elif isinstance(layer, QuantizedKVCache):
@@ -254,9 +257,11 @@ class RestoreParts:
 
 
 def _preallocated(pieces: list[mx.array], end: int) -> mx.array:
-    """Concatenate row pieces and pad with zeros to the next multiple of PREALLOC_STEP, the
-    shape a KVCache filled in 256-token steps has, so the next update behaves identically."""
-    capacity = -(-end // PREALLOC_STEP) * PREALLOC_STEP
+    """Concatenate row pieces and pad with zeros to the capacity a fresh cache of `end` rows has
+    (rewind.cache.capacity's ladder): the live rows a slice from the start of a buffer whose
+    capacity is a multiple of 256 (MLX's CUDA decode attention takes its fused path only for
+    such a cache), and the bytes the memory budget counts for them."""
+    capacity = capacity_for(end)
     first = pieces[0]
     padding = capacity - end
     if padding:
@@ -337,7 +342,7 @@ def window_covered(template: Sequence[Any], parts: RestoreParts) -> bool:
 
 
 def rebuild(template: Sequence[Any], parts: RestoreParts) -> list[Any]:
-    """Fill the fresh caches in `template` (from make_prompt_cache) so they hold the prefix
+    """Fill the fresh caches in `template` (from rewind.cache.kv.make_cache) so they hold the prefix
     [0, parts.end); returns the template list, ready for prefill or decode."""
     end = parts.end
     restored: list[mx.array] = []

@@ -13,7 +13,7 @@ import importlib
 # name -> (module, one line for `rewind bench --help`)
 WORKLOADS: dict[str, tuple[str, str]] = {
     "speed": ("rewind.bench.speed", "prefill/decode tokens/s: Rewind vs plain mlx-lm"),
-    "kv-append": ("rewind.bench.kv_append", "per-token concatenate vs preallocated in-place KV append"),
+    "kv-append": ("rewind.bench.kv_append", "KV append cost at 512..8k: Rewind's growing cache vs mlx-lm's KVCache"),
     "attention": ("rewind.bench.attention_bench", "CPU attention: MLX vs Rewind's C kernel"),
     "gated-delta": ("rewind.bench.gated_delta_bench", "Qwen 3.5's gated delta rule on the CPU: mlx-lm vs Rewind's C kernel"),
     "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),

@@ -89,7 +89,8 @@ def _load(path: str) -> tuple[list[Any], dict[str, str]]:
     extension, and a cache file may be named anything."""
     import mlx.core as mx
     from mlx.utils import tree_unflatten
-    from mlx_lm.models import cache as cache_classes
+
+    from rewind.cache.kv import from_saved
 
     if not Path(path).is_file():
         raise UserError(f"no prompt cache file at {path}")
@@ -102,8 +103,7 @@ def _load(path: str) -> tuple[list[Any], dict[str, str]]:
                                 "string": lambda: "".join(chr(c) for c in value.tolist()),
                                 "none": lambda: None}[kind]()
         states = tree_unflatten(list(arrays.items()))
-        cache = [getattr(cache_classes, name).from_state(state)
-                 for name, state in zip(classes, states)]
+        cache = [from_saved(name, state) for name, state in zip(classes, states)]
     except Exception as exc:  # mlx raises RuntimeError / ValueError on a foreign or torn file
         raise UserError(f"{path} is not a readable prompt cache: {exc}") from exc
     return cache, metadata

@@ -113,16 +113,16 @@ def new_cache(model: Any, max_kv_size: int | None, kv_bits: int | None,
     layers (RotatingKVCache has no quantized form); quantizing the full-attention layers from
     the first token works for every family and keeps a cache file's classes fixed.
     """
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from rewind.cache.kv import GrowingKVCache, make_cache
 
-    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    cache = make_cache(model, max_kv_size=max_kv_size)
     if kv_bits is not None:
         head_dim = _head_dim(model)
         if head_dim is not None and head_dim % kv_group_size:
             raise UserError(f"--kv-group-size {kv_group_size} does not divide this model's "
                             f"attention head size {head_dim}; try 32 or 64")
         cache = [layer.to_quantized(group_size=kv_group_size, bits=kv_bits)
-                 if type(layer) is KVCache else layer for layer in cache]
+                 if type(layer) is GrowingKVCache else layer for layer in cache]
     return cache
 
 

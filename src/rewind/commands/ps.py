@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from rewind import env
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -12,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__)
     parser.add_argument("--url", default=None,
                         help="the server (default: http://127.0.0.1:1234, or $REWIND_URL)")
-    parser.add_argument("--api-key", default=os.environ.get("REWIND_API_KEY"),
+    parser.add_argument("--api-key", default=env.api_key(),
                         help="the server's key (default: $REWIND_API_KEY)")
     parser.add_argument("--all", action="store_true", help="list models not loaded too")
     parser.set_defaults(func=run)
@@ -25,7 +26,7 @@ def _mib(value: float) -> str:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    url = (args.url or os.environ.get("REWIND_URL") or "http://127.0.0.1:1234").rstrip("/")
+    url = (args.url or env.server_url() or "http://127.0.0.1:1234").rstrip("/")
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)

@@ -89,12 +89,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    cache = CacheConfig(enabled=not args.no_prompt_cache, disk_enabled=not args.no_disk_cache,
-                        cache_dir=args.cache_dir, persist=args.cache_persist)
+    sizes = {}  # the budgets given; the others keep their defaults
     if args.cache_ram is not None:
-        cache.ram_bytes = parse_size(args.cache_ram)
+        sizes["ram_bytes"] = parse_size(args.cache_ram)
     if args.cache_disk is not None:
-        cache.disk_bytes = parse_size(args.cache_disk)
+        sizes["disk_bytes"] = parse_size(args.cache_disk)
+    cache = CacheConfig(enabled=not args.no_prompt_cache, disk_enabled=not args.no_disk_cache,
+                        cache_dir=args.cache_dir, persist=args.cache_persist, **sizes)
     engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
                           max_kv_size=args.max_kv_size, cache=cache)
     config = ServerConfig(model=(args.model or ["default"])[0], host=args.host, port=args.port, api_key=args.api_key,
@@ -104,8 +105,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           body_idle_seconds=args.body_timeout,
                           max_body_bytes=parse_size(args.max_body),
                           allow_image_urls=args.allow_image_urls, max_tokens=args.max_tokens,
-                          cpu_weights=args.cpu_weights, engine=engine)
-    config.validate()
+                          cpu_weights=args.cpu_weights, engine=engine)  # validated when built
     from rewind.server.auth import key_ring
 
     try:

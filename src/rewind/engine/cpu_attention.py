@@ -14,12 +14,12 @@ blocks with an online softmax and skips the blocks a mask rules out.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from rewind import env
 from rewind.engine import native
 
 _KV_FORMS = {mx.float32: native.FORM_F32, mx.bfloat16: native.FORM_BF16}
@@ -111,7 +111,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 # REWIND_CPU_ATTENTION=off keeps mlx-lm's own attention in MLX layers (read at each call, so a
 # test can compare against it in the same process).
-ENV = "REWIND_CPU_ATTENTION"
+ENV = env.CPU_ATTENTION.name
 
 
 def _mlx_layers_attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
@@ -119,7 +119,7 @@ def _mlx_layers_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
     """mlx_lm.models.base.scaled_dot_product_attention with the kernel where it applies."""
     from mlx_lm.models import base
 
-    if (sinks is None and not hasattr(cache, "bits") and os.environ.get(ENV) != "off"
+    if (sinks is None and not hasattr(cache, "bits") and not env.cpu_attention_off()
             and supported(queries, keys, values)):
         try:
             out = attention(queries, keys, values, scale, mask)

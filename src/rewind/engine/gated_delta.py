@@ -13,22 +13,23 @@ REWIND_GATED_DELTA=off it is mlx-lm's function.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
+from rewind import env
+
 log = logging.getLogger(__name__)
 
-ENV = "REWIND_GATED_DELTA"  # "off": mlx-lm's own path (read at each call, so tests can compare)
+ENV = env.GATED_DELTA.name  # "off": mlx-lm's own path (read at each call, so tests can compare)
 _failed: set[str] = set()  # kernels that raised once: not tried again in this process
 _checked: set[str] = set()  # kernels that ran once (a CUDA kernel compiles when first evaluated)
 
 
 def _recurrence(q: mx.array) -> tuple[str, Callable[..., tuple[mx.array, mx.array]]] | None:
-    if os.environ.get(ENV) == "off":
+    if env.gated_delta_off():
         return None
     from rewind.engine import cpu_gated_delta, cuda_gated_delta
 

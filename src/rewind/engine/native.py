@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from rewind import env
 from rewind.paths import cache_home
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def compile_flags() -> list[str] | None:
     flags = _cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
         return None
-    if os.environ.get("REWIND_NO_AVX512") != "1" and {"avx512f", "avx512bw", "avx512vl",
+    if not env.no_avx512() and {"avx512f", "avx512bw", "avx512vl",
                                                         "avx512dq"} <= flags:
         return [*_BASE_FLAGS, *_AVX512_FLAGS]
     return [*_BASE_FLAGS, *_AVX2_FLAGS]

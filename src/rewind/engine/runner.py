@@ -93,9 +93,9 @@ class ModelRunner:
     # ---- caches -----------------------------------------------------------------------------
 
     def new_cache(self) -> list[Any]:
-        from mlx_lm.models.cache import make_prompt_cache
+        from rewind.cache.kv import make_cache
 
-        return make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        return make_cache(self.model, max_kv_size=self.max_kv_size)
 
     @staticmethod
     def join(batch: list[Any] | None, single: list[Any]) -> list[Any]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rewind import env
 from rewind.memory import release_free_heap
 
 
@@ -53,10 +53,9 @@ def resolve(name_or_path: str) -> Path:
 
 # REWIND_CPU_HEAD=auto|bf16|int8|off chooses the CPU decode head (rewind.engine.fast_head);
 # auto: the bf16 head where it is exact (bf16 checkpoints such as the CPU default), else MLX's.
-CPU_HEAD_ENV = "REWIND_CPU_HEAD"
-DEFAULT_CPU_HEAD = "auto"
 # REWIND_FAST_GELU=0 keeps mlx-lm's scalar tanh-GELU on CPU (rewind.models.cpu_activations).
-FAST_GELU_ENV = "REWIND_FAST_GELU"
+# Both are read through rewind.env.
+DEFAULT_CPU_HEAD = "auto"
 
 
 def is_cpu_backend() -> bool:
@@ -65,10 +64,9 @@ def is_cpu_backend() -> bool:
     return mx.default_device() == mx.cpu
 
 
-# REWIND_COMPUTE_DTYPE=float32|bfloat16|float16 overrides the per-backend default (e.g. float32
-# on a GPU, for answers that match the CPU's; with MLX_ENABLE_TF32=0 there for full precision).
-COMPUTE_DTYPE_ENV = "REWIND_COMPUTE_DTYPE"
-_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# REWIND_COMPUTE_DTYPE=float32|bfloat16|float16 (rewind.env) overrides the per-backend default
+# (e.g. float32 on a GPU, for answers that match the CPU's; with MLX_ENABLE_TF32=0 there for full
+# precision).
 
 
 def compute_dtype() -> Any:
@@ -77,11 +75,8 @@ def compute_dtype() -> Any:
     per token); REWIND_COMPUTE_DTYPE overrides it."""
     import mlx.core as mx
 
-    override = os.environ.get(COMPUTE_DTYPE_ENV)
+    override = env.compute_dtype()  # an EnvError (ValueError) names a bad value's choices
     if override:
-        if override not in _COMPUTE_DTYPES:
-            raise ValueError(f"{COMPUTE_DTYPE_ENV}={override!r}: expected one of "
-                             f"{', '.join(_COMPUTE_DTYPES)}")
         return getattr(mx, override)
     return mx.float32 if is_cpu_backend() else mx.bfloat16
 
@@ -128,7 +123,7 @@ def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
 
     remove_native_forward(model)
     dequantize_model(model)
-    if requested_form(native_forward) != "off":
+    if requested_form(native_forward or env.native_form()) != "off":
         from rewind.engine import native_linear, stored_embedding
 
         native_linear.use_in_model(model)  # bf16 Linears stay bf16, read by the C matrix kernel
@@ -138,7 +133,7 @@ def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
 
     cpu_attention.use_in_mlx_layers(model)
     gated_delta.use_in_model(model)
-    if os.environ.get(FAST_GELU_ENV, "1") != "0":
+    if env.fast_gelu():
         from rewind.models.cpu_activations import use_fast_gelu
 
         use_fast_gelu(model)
@@ -170,9 +165,9 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     else:
         from rewind.engine.native_forward import install_native_forward
 
-        if install_native_forward(model, native_forward) is None:
+        if install_native_forward(model, native_forward or env.native_form()) is None:
             use_mlx_layers(model, native_forward)
-    head_form = cpu_head or os.environ.get(CPU_HEAD_ENV) or DEFAULT_CPU_HEAD
+    head_form = cpu_head or env.cpu_head() or DEFAULT_CPU_HEAD
     if head_form != "off":
         from rewind.engine.fast_head import install_fast_head
 

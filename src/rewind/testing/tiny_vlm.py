@@ -66,7 +66,7 @@ def save_random_vlm(config: dict[str, Any], out_dir: Path, seed: int = SEED,
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from rewind.vision.vlm import vlm_model_config
+    from rewind.vision.family import vlm_model_config
 
     mx.random.seed(seed)
     module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from rewind.vision.images import DecodedImage
-from rewind.vision.vlm import ImageLayout, VisionFamily, vlm_model_config
+from rewind.vision.family import ImageLayout, VisionFamily, vlm_model_config
 
 
 def gemma3_vlm_config(config: dict[str, Any]) -> Any:

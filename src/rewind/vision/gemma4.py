@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from rewind.vision.images import DecodedImage
-from rewind.vision.vlm import ImageLayout, VisionFamily, image_size, vlm_model_config
+from rewind.vision.family import ImageLayout, VisionFamily, image_size, vlm_model_config
 
 log = logging.getLogger(__name__)
 

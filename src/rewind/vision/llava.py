@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rewind.vision.images import DecodedImage
-from rewind.vision.vlm import (
+from rewind.vision.family import (
     ImageLayout,
     VisionFamily,
     VisionUnavailableError,

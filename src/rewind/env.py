@@ -1,0 +1,183 @@
+"""Every REWIND_* environment variable, declared once (name, meaning, the values it takes) and
+read here only: no other module reads os.environ for a REWIND_* name.
+
+Why one place: the switches were read in seven modules, each with its own idea of a bad value;
+some raised, most ignored a typo (REWIND_CPU_ATTENTION=0 left the kernel on). Here a value outside
+a variable's choices raises EnvError (a ValueError) naming the variable and its choices, and the
+CLI runs `check_all()` first, so a typo stops `rewind` before a model loads.
+
+Values are read at each call, never cached: tests and benchmarks set some within a process (e.g.
+REWIND_CPU_ATTENTION=off, to measure mlx-lm's own attention; see `overridden`). An empty value
+counts as unset, as it did everywhere before. This module imports nothing heavy: the CLI and
+rewind.blas use it before MLX loads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EnvError(ValueError):
+    """A REWIND_* variable holds a value it does not take."""
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    help: str
+    choices: tuple[str, ...] = ()  # empty: any non-empty value
+    # A check for free-form values, e.g. a model form's spelling; raises ValueError.
+    check: Callable[[str], None] | None = None
+
+    def raw(self) -> str | None:
+        return os.environ.get(self.name) or None
+
+    def get(self) -> str | None:
+        """The value, or None when unset or empty; EnvError when it is not one it takes."""
+        value = self.raw()
+        if value is None:
+            return None
+        if self.choices and value not in self.choices:
+            raise EnvError(f"{self.name}={value!r}: expected one of {', '.join(self.choices)}")
+        if self.check is not None:
+            try:
+                self.check(value)
+            except ValueError as exc:
+                raise EnvError(f"{self.name}={value!r}: {exc}") from exc
+        return value
+
+
+def _check_form(value: str) -> None:
+    from rewind.models.registry import QuantSpec  # only when the variable is set
+
+    QuantSpec.from_form(value)
+
+
+# Where converted models, scratch files and compiled kernels go (else $XDG_CACHE_HOME/rewind).
+HOME = Var("REWIND_HOME", "folder for converted models, scratch files and compiled kernels")
+# The CPU's C kernels (rewind.engine.native_forward); the same tuple as its WEIGHT_FORMS
+# (tests/test_env.py holds them equal; that module imports MLX, this one must not).
+NATIVE_FORMS = ("auto", "bf16", "f32", "int8", "off")
+NATIVE = Var("REWIND_NATIVE", "weights the CPU backbone kernels read (off: MLX's layers)",
+             NATIVE_FORMS)
+NATIVE_OLD = Var("REWIND_NATIVE_DECODE", "REWIND_NATIVE's name when only decode was native",
+                 NATIVE_FORMS)
+CPU_HEAD = Var("REWIND_CPU_HEAD", "the CPU decode head (rewind.engine.fast_head; off: MLX's)",
+               ("auto", "bf16", "int8", "off"))
+CPU_ATTENTION = Var("REWIND_CPU_ATTENTION",
+                    "off: mlx-lm's own attention in MLX layers instead of the C kernel",
+                    ("on", "off"))
+GATED_DELTA = Var("REWIND_GATED_DELTA",
+                  "off: mlx-lm's own gated delta recurrence instead of Rewind's kernels",
+                  ("on", "off"))
+FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
+NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
+                ("0", "1"))
+COMPUTE_DTYPE = Var("REWIND_COMPUTE_DTYPE", "the dtype models compute in (default per backend)",
+                    ("float32", "bfloat16", "float16"))
+DEFAULT_FORM = Var("REWIND_DEFAULT_FORM", "the default model's stored form, e.g. q4g32",
+                   check=_check_form)
+# Any non-empty value opts out (as before): a user's switch, not a value.
+NO_OPENBLAS = Var("REWIND_NO_OPENBLAS", "any value: keep MLX's reference BLAS, no OpenBLAS preload")
+BLAS_REEXEC = Var("REWIND_BLAS_REEXEC", "set by `rewind` itself when it re-executes with OpenBLAS")
+# Read by scripts/setup.sh (the shell), never by Python; declared so it is not reported unknown.
+EXTRAS = Var("REWIND_EXTRAS", "the pip extras scripts/setup.sh installs")
+# `rewind ps`: which server to ask, and its key (the flags --url and --api-key win).
+URL = Var("REWIND_URL", "the server `rewind ps` asks (default http://127.0.0.1:1234)")
+API_KEY = Var("REWIND_API_KEY", "the key `rewind ps` sends to the server")
+
+ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, FAST_GELU,
+                        NO_AVX512, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS,
+                        URL, API_KEY)
+
+
+def check_all() -> list[str]:
+    """Raise EnvError for the first REWIND_* variable holding a value it does not take. Returns
+    a warning for each REWIND_* name that is none of these (a misspelt variable does nothing);
+    a warning, not an error, since a name may be another tool's."""
+    for var in ALL:
+        var.get()
+    known = {var.name for var in ALL}
+    return [f"{name} is not a Rewind variable (it has no effect; known: {', '.join(sorted(known))})"
+            for name in sorted(os.environ) if name.startswith("REWIND_") and name not in known]
+
+
+# ---- typed readers: what the rest of Rewind calls ----------------------------------------------
+
+
+def home() -> Path | None:
+    value = HOME.get()
+    return Path(value).expanduser() if value else None
+
+
+def native_form() -> str | None:
+    """REWIND_NATIVE, else its old name; None when neither is set."""
+    return NATIVE.get() or NATIVE_OLD.get()
+
+
+def cpu_head() -> str | None:
+    return CPU_HEAD.get()
+
+
+def cpu_attention_off() -> bool:
+    return CPU_ATTENTION.get() == "off"
+
+
+def gated_delta_off() -> bool:
+    return GATED_DELTA.get() == "off"
+
+
+def fast_gelu() -> bool:
+    return FAST_GELU.get() != "0"
+
+
+def no_avx512() -> bool:
+    return NO_AVX512.get() == "1"
+
+
+def compute_dtype() -> str | None:
+    return COMPUTE_DTYPE.get()
+
+
+def default_form() -> str | None:
+    return DEFAULT_FORM.get()
+
+
+def no_openblas() -> bool:
+    return NO_OPENBLAS.get() is not None
+
+
+def blas_reexecuted() -> bool:
+    return BLAS_REEXEC.get() is not None
+
+
+def server_url() -> str | None:
+    return URL.get()
+
+
+def api_key() -> str | None:
+    return API_KEY.get()
+
+
+@contextmanager
+def overridden(values: Mapping[Var, str]) -> Iterator[None]:
+    """Set these variables for the block, then restore them (unset ones unset): a benchmark's
+    rows of mlx-lm as shipped (REWIND_CPU_ATTENTION / REWIND_GATED_DELTA off) in Rewind's
+    process."""
+    saved = {var: os.environ.get(var.name) for var in values}
+    for var, value in values.items():
+        if var.choices and value not in var.choices:
+            raise EnvError(f"{var.name}={value!r}: expected one of {', '.join(var.choices)}")
+        os.environ[var.name] = value
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var.name, None)
+            else:
+                os.environ[var.name] = value
