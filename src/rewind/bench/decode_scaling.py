@@ -669,9 +669,10 @@ def markdown(report: dict[str, Any]) -> str:
                                                   if report.get("commit") else ""), "",
              f"Random-weight bf16 models of real shapes; {report['prompt_tokens']}-token "
              f"distinct random prompts arriving together, greedy, timed over the window where "
-             f"every stream decodes ({report['decode_tokens']} steps). Cells: tokens/s of all "
+             f"every stream decodes (at least {report['decode_tokens']} steps). Cells: tokens/s of all "
              "streams together (share of the HBM bound at that row's mean context).", ""]
-    quoted = report["llama_cpp_quoted"]["decode_tok_s"]
+    # int keys: a report read back from JSON has them as strings
+    quoted = {int(k): v for k, v in report["llama_cpp_quoted"]["decode_tok_s"].items()}
     for name, entry in report["models"].items():
         sizes = StreamBytes(**entry["bytes"])
         lines += [f"## {name}", "", f"{entry['compute']}. Weights read per step "
