@@ -18,6 +18,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "gated-delta": ("rewind.bench.gated_delta_bench", "Qwen 3.5's gated delta rule on the CPU: mlx-lm vs Rewind's C kernel"),
     "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),
     "form-speed": ("rewind.bench.form_speed", "speed per stored form on this backend (random weights, default shape)"),
+    "decode-scaling": ("rewind.bench.decode_scaling", "decode tok/s at 1/8/32 streams: engine, HTTP, mlx-lm BatchGenerator, HBM bound (random 1B-class models)"),
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
     "disk-tier": ("rewind.bench.disk_tier", "scratch-file store write and restore speed"),
     "agentic": ("rewind.bench.agentic", "S agent sessions x T turns, side by side on each server"),
