@@ -1,4 +1,4 @@
-"""The C attention kernel (rewind.engine.cpu_attention) against mx.fast.scaled_dot_product_attention:
+"""The C attention kernel (rewind.kernels.cpu_attention) against mx.fast.scaled_dot_product_attention:
 every mask kind mlx-lm builds, grouped-query heads, decode and prefill shapes, bf16 keys, strided
 cache views, rows that every key masks, and the inputs it refuses."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from rewind.engine import native
-from rewind.engine.cpu_attention import attention
+from rewind.kernels import native
+from rewind.kernels.cpu_attention import attention
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(native.load_kernels() is None or mx.default_device() != mx.cpu,
                                 reason="needs the CPU backend, x86-64 AVX2 and a C compiler")]

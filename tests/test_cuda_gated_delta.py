@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from gated_delta_inputs import inputs
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from rewind.engine import cuda_gated_delta, gated_delta
+from rewind.kernels import cuda_gated_delta, gated_delta
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available() or mx.default_device() != mx.gpu,
                                 reason="needs MLX's CUDA backend")

@@ -61,7 +61,7 @@ def test_cpu_kernels_give_the_mlx_answer(default_model):
     import mlx.core as mx
     import numpy as np
 
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.native_forward import native_forward
     from rewind.engine.single import generate_tokens
     from rewind.models.loader import load_model
 

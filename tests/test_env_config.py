@@ -18,12 +18,12 @@ SRC = Path(env.__file__).parent
 
 
 def test_no_module_but_env_reads_a_rewind_variable() -> None:
-    """grep: os.environ / getenv next to a REWIND_ name, or a REWIND_ name in quotes, only in env.py
-    (native_forward.py's old read is the lead's to move: see rewind.env.native_form)."""
+    """grep: os.environ / getenv next to a REWIND_ name, or a REWIND_ name in quotes, only in
+    env.py."""
     pattern = re.compile(r"""["']REWIND_[A-Z0-9_]+["']""")
     offenders = []
     for path in SRC.rglob("*.py"):
-        if path.name in ("env.py", "native_forward.py"):
+        if path.name == "env.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line) and not line.lstrip().startswith("#"):
@@ -86,7 +86,7 @@ def test_overridden_restores(monkeypatch) -> None:
 
 
 def test_native_forms_match_the_kernels() -> None:
-    from rewind.engine.native_forward import WEIGHT_FORMS
+    from rewind.kernels.native_forward import WEIGHT_FORMS
 
     assert env.NATIVE_FORMS == WEIGHT_FORMS
 

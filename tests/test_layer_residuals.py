@@ -66,7 +66,7 @@ def test_a_layer_that_takes_none_is_refused(model):
 
 
 def test_the_cpu_kernels_are_refused(tiny_model_path):
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.native_forward import native_forward
 
     loaded = load_model(str(tiny_model_path("llama")))
     if native_forward(loaded.model) is None:

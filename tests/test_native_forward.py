@@ -1,4 +1,4 @@
-"""The CPU forward pass (rewind.engine.native_forward): the same answers as MLX's path.
+"""The CPU forward pass (rewind.kernels.native_forward): the same answers as MLX's path.
 
 Every test compares a model loaded with the kernels against the same folder loaded with
 REWIND_NATIVE=off (MLX's own layers), on tiny random models of each supported family: greedy
@@ -19,9 +19,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.config import EngineConfig
 from rewind.engine import Engine, GenerationRequest, SamplingParams
-from rewind.engine import native
+from rewind.kernels import native
 from rewind.engine.forward import last_logits
-from rewind.engine.native_forward import (install_native_forward, native_forward,
+from rewind.kernels.native_forward import (install_native_forward, native_forward,
                                           remove_native_forward)
 from rewind.models.loader import load_model
 from rewind.testing.tiny_models import build_tiny_model

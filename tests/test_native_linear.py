@@ -15,9 +15,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.cache import PromptCache
 from rewind.config import CacheConfig, EngineConfig
-from rewind.engine import Engine, GenerationRequest, SamplingParams, native
-from rewind.engine.native_linear import NativeLinear, native_linear_bytes
-from rewind.engine.stored_embedding import StoredEmbedding
+from rewind.engine import Engine, GenerationRequest, SamplingParams
+from rewind.kernels import native
+from rewind.kernels.native_linear import NativeLinear, native_linear_bytes
+from rewind.kernels.stored_embedding import StoredEmbedding
 from rewind.models.conversion import QuantSpec, convert
 from rewind.models.loader import describe_compute, load_model
 from rewind.testing.tiny_models import build_tiny_model
@@ -131,7 +132,7 @@ def test_after_the_native_forward_pass_is_removed(tmp_path: Path) -> None:
     """rewind.vision.mrope moves a loaded llama-family model (the C layer kernels installed,
     its Linear weights slices of stacked bf16 matrices) to MLX's layers: the Linear layers then
     read those slices, and the logits are MLX's float32 ones."""
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.native_forward import native_forward
     from rewind.models.loader import use_mlx_layers
 
     folder = convert(build_tiny_model("llama", tmp_path / "f32"), tmp_path / "bf16",

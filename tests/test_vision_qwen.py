@@ -141,7 +141,7 @@ def test_greedy_decode_after_the_image_equals_mlx_vlm(which, request):
 def test_mrope_replaces_the_cpu_kernels_and_keeps_the_weights(vision):
     from mlx.utils import tree_flatten
 
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.native_forward import native_forward
     from rewind.vision.mrope import MultimodalRoPE
 
     loaded, _ = vision

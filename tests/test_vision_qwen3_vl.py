@@ -135,7 +135,7 @@ def test_the_first_layers_take_residuals_and_keep_their_weights(vision):
     from mlx.utils import tree_flatten
 
     from rewind.engine.forward import split_model
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.native_forward import native_forward
     from rewind.engine.residuals import residuals_holder
 
     loaded, _ = vision

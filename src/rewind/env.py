@@ -59,14 +59,14 @@ def _check_form(value: str) -> None:
 
 # Where converted models, scratch files and compiled kernels go (else $XDG_CACHE_HOME/rewind).
 HOME = Var("REWIND_HOME", "folder for converted models, scratch files and compiled kernels")
-# The CPU's C kernels (rewind.engine.native_forward); the same tuple as its WEIGHT_FORMS
+# The CPU's C kernels (rewind.kernels.native_forward); the same tuple as its WEIGHT_FORMS
 # (tests/test_env.py holds them equal; that module imports MLX, this one must not).
 NATIVE_FORMS = ("auto", "bf16", "f32", "int8", "off")
 NATIVE = Var("REWIND_NATIVE", "weights the CPU backbone kernels read (off: MLX's layers)",
              NATIVE_FORMS)
 NATIVE_OLD = Var("REWIND_NATIVE_DECODE", "REWIND_NATIVE's name when only decode was native",
                  NATIVE_FORMS)
-CPU_HEAD = Var("REWIND_CPU_HEAD", "the CPU decode head (rewind.engine.fast_head; off: MLX's)",
+CPU_HEAD = Var("REWIND_CPU_HEAD", "the CPU decode head (rewind.kernels.fast_head; off: MLX's)",
                ("auto", "bf16", "int8", "off"))
 CPU_ATTENTION = Var("REWIND_CPU_ATTENTION",
                     "off: mlx-lm's own attention in MLX layers instead of the C kernel",

@@ -1,5 +1,5 @@
 """Attention on the CPU: mx.fast.scaled_dot_product_attention vs Rewind's C kernel
-(rewind.engine.cpu_attention), same inputs, side by side.
+(rewind.kernels.cpu_attention), same inputs, side by side.
 
 Shapes are Gemma 3 270M's (4 query heads sharing 1 key/value head of 256), float32 keys and
 values as the CPU path's caches hold them: a prefill chunk of L queries over S keys (causal,
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rewind import blas
     from rewind.bench.machine import command_line, machine_info, machine_markdown
-    from rewind.engine.cpu_attention import attention
+    from rewind.kernels.cpu_attention import attention
 
     if mx.default_device() != mx.cpu:
         raise SystemExit("rewind bench attention measures the CPU backend")

@@ -32,8 +32,8 @@ def measure_engine_decode(model_name: str, tokens: list[int], gen_tokens: int,
 
     import mlx.core as mx
 
-    from rewind.engine.fast_head import fast_head
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.fast_head import fast_head
+    from rewind.kernels.native_forward import native_forward
 
     loaded = load_model(model_name)
     config = EngineConfig(parallel=1, cache=CacheConfig(enabled=False))

@@ -265,12 +265,12 @@ def attention_cases(loaded: Any, prompt_tokens: int,
 def engine_busy(loaded: Any, streams: int, prompt_tokens: int, steps: int) -> dict[str, Any]:
     """Trace `steps` decode steps of the engine (as `rewind serve` runs it) with all `streams`
     decoding."""
-    from rewind.commands.serve import build_prompt_cache
+    from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
     from rewind.engine import Engine, GenerationRequest, SamplingParams
 
     engine = Engine(loaded, EngineConfig(parallel=streams, max_queue=streams),
-                    prompt_cache=build_prompt_cache(loaded, CacheConfig())).start()
+                    prompt_cache=PromptCache(loaded.model, loaded.fingerprint, CacheConfig())).start()
     try:
         bias = {t: -100.0 for t in sorted(engine.eos_token_ids)}
         handles = [engine.submit(GenerationRequest(
@@ -313,7 +313,7 @@ def _wait_tokens(engine: Any, tokens: int) -> None:
 def mlx_lm_busy(loaded: Any, streams: int, prompt_tokens: int, steps: int) -> dict[str, Any]:
     from mlx_lm.generate import BatchGenerator
 
-    from rewind.engine.gated_delta import ENV
+    from rewind.kernels.gated_delta import ENV
 
     os.environ[ENV] = "off"  # mlx-lm as shipped
     generator = BatchGenerator(loaded.model, max_tokens=100_000,

@@ -506,10 +506,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                   save: Callable[[], None]) -> None:
     import mlx.core as mx
 
-    from rewind.commands.serve import build_prompt_cache
+    from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
     from rewind.engine import Engine
-    from rewind.engine.gated_delta import ENV as GATED_DELTA_ENV
+    from rewind.kernels.gated_delta import ENV as GATED_DELTA_ENV
     from rewind.models.loader import describe_compute
 
     print(f"== {name}: building and loading ...", flush=True)
@@ -526,7 +526,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     report["models"][name] = entry
     streams = sorted(set(args.streams))
     engine = Engine(loaded, EngineConfig(parallel=max(streams), max_queue=4 * max(streams)),
-                    prompt_cache=build_prompt_cache(loaded, CacheConfig()))
+                    prompt_cache=PromptCache(loaded.model, loaded.fingerprint, CacheConfig()))
     engine.start()
     chunk_tokens = engine.runner.chunk_tokens
     seed = 0

@@ -1,6 +1,6 @@
 """The gated delta rule: mlx-lm's `gated_delta_ops` (a Python loop of small graphs) vs Rewind's
 kernel for this backend (the C kernel on the CPU, the CUDA kernel on NVIDIA GPUs;
-rewind.engine.gated_delta), side by side.
+rewind.kernels.gated_delta), side by side.
 
 Two parts: the recurrence alone on one layer's shapes (`--heads` key x value heads of
 `--head-dim`, as Qwen 3.5 / Qwen3-Next linear attention), for a decode step and prefill chunks;
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rewind import blas
     from rewind.bench.machine import command_line, machine_info, machine_markdown
-    from rewind.engine import gated_delta
+    from rewind.kernels import gated_delta
 
     chosen = gated_delta._recurrence(mx.zeros((1, 1, 1, args.head_dim)))
     if chosen is None:

@@ -15,8 +15,6 @@ import gc
 import json
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +80,8 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     import mlx.core as mx
 
     from rewind.cache.kv import make_cache
-    from rewind.engine.fast_head import fast_head
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.fast_head import fast_head
+    from rewind.kernels.native_forward import native_forward
     from rewind.engine.single import generate_tokens
     from rewind.models.loader import load_model
 
@@ -133,7 +131,7 @@ def rewind_perplexity(model: Any, tokenizer: Any, text: str, limit: int = 2048) 
     import mlx.core as mx
     import numpy as np
 
-    from rewind.engine.fast_head import fast_head
+    from rewind.kernels.fast_head import fast_head
     from rewind.engine.forward import split_model
 
     tokens = tokenizer.encode(text)[:limit]
@@ -152,21 +150,11 @@ def _float_dtypes(model: Any) -> set[Any]:
     return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
-@contextmanager
-def _mlx_lm_as_shipped() -> Iterator[None]:
-    """Rewind's loader points mlx-lm's model modules, process-wide, at its CPU attention and
-    gated delta kernels (rewind.engine.cpu_attention, rewind.engine.gated_delta); their switches
-    make them defer to mlx-lm's own code while an mlx-lm row runs."""
-    from rewind import env
-
-    with env.overridden({env.CPU_ATTENTION: "off", env.GATED_DELTA: "off"}):
-        yield
-
-
 def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,
                    context: list[int] | None = None) -> dict[str, Any]:
-    with _mlx_lm_as_shipped():
-        return _measure_mlx_lm(path, tokens, gen_tokens, float32, context)
+    # mlx-lm as shipped: Rewind's kernels reach only the models Rewind's loader set up
+    # (rewind.kernels.rebind swaps classes per instance), never mlx-lm's modules.
+    return _measure_mlx_lm(path, tokens, gen_tokens, float32, context)
 
 
 def _measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,

@@ -18,6 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from rewind.kernels.backend import ObjectTable, kernels_for
+
 # model_type values whose top-level __call__ is `self.model(...)` followed by the output head
 # (tied embedding `as_linear` or `lm_head`) and nothing else (no soft-capping, no logit scale).
 # Checked against mlx-lm 0.32's model files; add a family only after reading its Model.__call__.
@@ -70,9 +72,12 @@ def _is_tied(text_model: Any) -> bool:
     return bool(getattr(getattr(text_model, "args", None), "tie_word_embeddings", True))
 
 
+_SPLITS: ObjectTable[ModelSplit | bool] = ObjectTable()  # model -> its split (False: none)
+
+
 def split_model(model: Any) -> ModelSplit | None:
     """(backbone, head) of a known family, or None when the model's call does more than that."""
-    cached = getattr(model, "_rewind_split", None)
+    cached = _SPLITS.get(model)
     if cached is not None:
         return cached or None
     text_model = _text_model(model)
@@ -86,16 +91,13 @@ def split_model(model: Any) -> ModelSplit | None:
                    if model_type in _BACKBONE_HEAD_SOFTCAP else None)
         split = ModelSplit(backbone=backbone, head=head,
                            softcap=float(softcap) if softcap else None)
-    # Cached on the instance (outside the parameter tree: nn.Module stores public attributes as
-    # children, so this uses object.__setattr__); False marks "no split known".
-    object.__setattr__(model, "_rewind_split", split or False)
+    _SPLITS.set(model, split or False)  # False marks "no split known"
     return split
 
 
 def forget_split(model: Any) -> None:
     """Call after replacing a model's head (e.g. the loader's fast head) so it is looked up again."""
-    if "_rewind_split" in model.__dict__:
-        object.__delattr__(model, "_rewind_split")
+    _SPLITS.pop(model)
 
 
 def hidden_states(model: Any, tokens: mx.array, cache: list[Any]) -> mx.array | None:
@@ -130,9 +132,9 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
                 input_embeddings: mx.array | None = None) -> mx.array:
     """Logits [B, vocab] of the last position of tokens [B, T].
 
-    Lazy with MLX's head; with a CPU fast head (rewind.engine.fast_head) the backbone is
+    Lazy with MLX's head; with a CPU fast head (rewind.kernels.fast_head) the backbone is
     evaluated here and the logits come back materialized. On the CPU the backbone itself may be
-    Rewind's C kernels (rewind.engine.native_forward), installed by the loader.
+    Rewind's C kernels (rewind.kernels.native_forward), installed by the loader.
     """
     split = split_model(model)
     kwargs = _embedding_kwargs(input_embeddings)
@@ -140,4 +142,4 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
         return model(tokens, cache=cache, **kwargs)[:, -1, :]
     hidden = split.backbone(tokens, cache=cache, **kwargs)
     # The loader's CPU head (bf16/int8 weights read by a C kernel) when one is installed.
-    return split.logits(hidden[:, -1, :], model.__dict__.get("_rewind_fast_head"))
+    return split.logits(hidden[:, -1, :], kernels_for(model).head)

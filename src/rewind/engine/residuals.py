@@ -10,7 +10,7 @@ the current call (the parameter tree and every name stay as they are); the sched
 around each prefill chunk with `given_residuals`. A residual is [B, L, hidden] for the call's
 positions (zeros where nothing is added, so those positions are exactly the layer's output).
 
-The CPU kernels (rewind.engine.native_forward) never call the layers, so a model must run
+The CPU kernels (rewind.kernels.native_forward) never call the layers, so a model must run
 MLX's layers before it takes residuals; `install_layer_residuals` refuses otherwise.
 
 Engine thread only (the one thread that calls the model); the residuals are read while the call
@@ -62,7 +62,7 @@ def takes_residuals(model: Any) -> bool:
 def install_layer_residuals(model: Any, layers: Sequence[Any]) -> LayerResiduals:
     """Let `layers` (the backbone's layers 0 .. len(layers) - 1, in order) take residuals;
     idempotent. The model must run MLX's layers (not the CPU kernels)."""
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.native_forward import native_forward
 
     if native_forward(model) is not None:
         raise ValueError("the CPU kernels do not call the layers: switch the model to MLX's "

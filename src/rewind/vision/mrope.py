@@ -15,7 +15,7 @@ frequencies, section layout and rotation are mlx-vlm's (`MRoPERotaryEmbedding`, 
 own Qwen language models use), so the numbers are those of mlx-vlm's models; everything else
 (weights, caches, batching, the prompt cache) stays mlx-lm's.
 
-The CPU kernels (rewind.engine.native_forward) rotate by the cache offset, so a model that gets
+The CPU kernels (rewind.kernels.native_forward) rotate by the cache offset, so a model that gets
 mrope runs MLX's own layers (rewind.models.loader.use_mlx_layers).
 """
 

@@ -1,4 +1,4 @@
-"""Attention through Rewind's C kernel (rewind/native/attention.c) on the CPU.
+"""Attention through Rewind's C kernel (rewind/kernels/c/attention.c) on the CPU.
 
 `attention(queries, keys, values, scale, mask)` computes what
 mx.fast.scaled_dot_product_attention computes, for float32 queries and float32 or bf16
@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from rewind import env
-from rewind.engine import native
+from rewind.kernels import native
 
 _KV_FORMS = {mx.float32: native.FORM_F32, mx.bfloat16: native.FORM_BF16}
 
@@ -135,18 +135,12 @@ def use_in_mlx_layers(model: Any) -> int:
     """Route the attention of `model`'s MLX layers through the kernel on the CPU (families the
     native forward pass does not implement: hybrid linear-attention models, Qwen-VL with
     multimodal positions). mlx-lm's attention modules call their module's
-    `scaled_dot_product_attention`, so that name is replaced in each module `model` uses; the
-    replacement defers to mlx-lm's for anything the kernel does not take. Returns how many
-    modules were changed."""
-    import sys
-
+    `scaled_dot_product_attention`; this model's modules call ours instead
+    (rewind.kernels.rebind: mlx-lm itself is untouched), which defers to mlx-lm's for anything
+    the kernel does not take. Returns how many modules were changed."""
     from mlx_lm.models import base
 
-    changed = 0
-    for module in {type(m).__module__ for m in model.modules()}:
-        namespace = sys.modules.get(module)
-        current = getattr(namespace, "scaled_dot_product_attention", None)
-        if current is base.scaled_dot_product_attention:
-            namespace.scaled_dot_product_attention = _mlx_layers_attention
-            changed += 1
-    return changed
+    from rewind.kernels.rebind import swap_function
+
+    return swap_function(model, "scaled_dot_product_attention", base.scaled_dot_product_attention,
+                         _mlx_layers_attention)

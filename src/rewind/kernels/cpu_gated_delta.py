@@ -1,6 +1,6 @@
-"""The gated delta rule's recurrence in Rewind's C kernel (rewind/native/gated_delta.c) on the
+"""The gated delta rule's recurrence in Rewind's C kernel (rewind/kernels/c/gated_delta.c) on the
 CPU: what mlx-lm's `gated_delta_ops` computes, without its Python loop of per-token graphs
-(rewind.engine.gated_delta routes mlx-lm's layers here)."""
+(rewind.kernels.gated_delta routes mlx-lm's layers here)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ctypes
 import mlx.core as mx
 import numpy as np
 
-from rewind.engine import native
+from rewind.kernels import native
 
 
 def _host(array: mx.array) -> np.ndarray:

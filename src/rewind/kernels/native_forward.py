@@ -6,10 +6,10 @@ matmuls are slower than float32 through BLAS, so the model must be widened to fl
 270M: 1.07 GB instead of the 536 MB checkpoint, read at 400 MB per decoded token). Graph
 overhead: ~40 nodes per layer at tens of microseconds each, about half a decode step. Attention:
 its CPU path materializes every score and runs a scalar exp. Here each layer is two C calls
-(rewind/native/cpu_kernels.c: norms, the stacked q/k/v projection, q/k norms and RoPE; then the
+(rewind/kernels/c/cpu_kernels.c: norms, the stacked q/k/v projection, q/k norms and RoPE; then the
 output projection, residuals and the MLP), reading the checkpoint's bf16 weights in place, around
 the KV-cache update, which stays MLX (`cache.update_and_fetch`), and attention through
-rewind/native/attention.c. So every cache class (KVCache, RotatingKVCache, their batch forms,
+rewind/kernels/c/attention.c. So every cache class (KVCache, RotatingKVCache, their batch forms,
 quantized KV), the prompt cache's snapshots and restores, and trimming work unchanged, and the
 caches hold float32 keys and values, as MLX's float32 path puts there.
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +43,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from rewind.engine import native
-from rewind.engine.cpu_attention import attention_into
+from rewind.kernels import native
+from rewind.kernels.backend import ObjectTable
+from rewind.kernels.cpu_attention import attention_into
 
 log = logging.getLogger(__name__)
 
-ENV = "REWIND_NATIVE"  # auto | bf16 | f32 | int8 | off
-OLD_ENV = "REWIND_NATIVE_DECODE"  # its name when only decode steps were native
 DEFAULT_FORM = "auto"
 WEIGHT_FORMS = ("auto", "bf16", "f32", "int8", "off")
 KV_DTYPE = mx.float32  # what the caches hold: the float32 path's keys and values
@@ -401,14 +399,21 @@ def choose_form(backbone: Any, form: str) -> str:
 
 
 _NATIVE_CLASSES: dict[type, type] = {}
+# backbone -> its NativeForward: the backend's table, not an attribute on mlx-lm's object.
+_FORWARDS: ObjectTable[NativeForward] = ObjectTable()
 
 
 def _native_class(cls: type) -> type:
-    """A subclass of the backbone's class whose call is the native forward pass."""
+    """A subclass of the backbone's class whose call is the native forward pass: the backbone
+    instance takes it, so a direct call of the model (mlx-lm's generate, a test's reference)
+    runs the same pass as the runner. mlx-lm's classes and functions stay as shipped."""
     if cls not in _NATIVE_CLASSES:
         def __call__(self: Any, inputs: mx.array, cache: list[Any] | None = None,
                      input_embeddings: mx.array | None = None) -> mx.array:
-            return self.__dict__["_rewind_native"](inputs, cache, input_embeddings)
+            forward = _FORWARDS.get(self)
+            if forward is None:  # removed: MLX's own pass
+                return cls.__call__(self, inputs, cache, input_embeddings)
+            return forward(inputs, cache, input_embeddings)
 
         _NATIVE_CLASSES[cls] = type(f"Native{cls.__name__}", (cls,),
                                     {"__call__": __call__, "_rewind_mlx_class": cls})
@@ -416,9 +421,11 @@ def _native_class(cls: type) -> type:
 
 
 def requested_form(form: str | None = None) -> str:
-    form = form or os.environ.get(ENV) or os.environ.get(OLD_ENV) or DEFAULT_FORM
+    from rewind import env
+
+    form = form or env.native_form() or DEFAULT_FORM  # REWIND_NATIVE
     if form not in WEIGHT_FORMS:
-        raise ValueError(f"{ENV}={form!r}: expected one of {', '.join(WEIGHT_FORMS)}")
+        raise ValueError(f"REWIND_NATIVE={form!r}: expected one of {', '.join(WEIGHT_FORMS)}")
     return form
 
 
@@ -442,7 +449,7 @@ def install_native_forward(model: Any, form: str | None = None) -> NativeForward
     except Unsupported as exc:
         log.info("native forward not used: %s", exc)
         return None
-    object.__setattr__(backbone, "_rewind_native", forward)  # outside the parameter tree
+    _FORWARDS.set(backbone, forward)
     backbone.__class__ = _native_class(type(backbone))
     return forward
 
@@ -451,7 +458,7 @@ def native_forward(model: Any) -> NativeForward | None:
     from rewind.engine.forward import split_model
 
     split = split_model(model)
-    return None if split is None else split.backbone.__dict__.get("_rewind_native")
+    return None if split is None else _FORWARDS.get(split.backbone)
 
 
 def remove_native_forward(model: Any) -> bool:
@@ -460,8 +467,7 @@ def remove_native_forward(model: Any) -> bool:
 
     split = split_model(model)
     backbone = None if split is None else split.backbone
-    if backbone is None or "_rewind_native" not in backbone.__dict__:
+    if backbone is None or _FORWARDS.pop(backbone) is None:
         return False
-    del backbone.__dict__["_rewind_native"]
     backbone.__class__ = type(backbone)._rewind_mlx_class
     return True

@@ -5,15 +5,14 @@ a Python loop that builds and evaluates a graph per token per layer (about half 
 0.8B-sized prefill on 2 CPU cores; 470 tokens/s for a 2B one on an H200). `use_in_model(model)`
 points the model's modules at `gated_delta_update` below, which takes mlx-lm's arguments,
 computes the gates with mlx-lm's own functions and runs the recurrence in Rewind's C kernel on
-the CPU (rewind.engine.cpu_gated_delta) or its CUDA kernel on NVIDIA GPUs
-(rewind.engine.cuda_gated_delta); on Metal, for shapes a kernel does not take, and with
+the CPU (rewind.kernels.cpu_gated_delta) or its CUDA kernel on NVIDIA GPUs
+(rewind.kernels.cuda_gated_delta); on Metal, for shapes a kernel does not take, and with
 REWIND_GATED_DELTA=off it is mlx-lm's function.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ _checked: set[str] = set()  # kernels that ran once (a CUDA kernel compiles when
 def _recurrence(q: mx.array) -> tuple[str, Callable[..., tuple[mx.array, mx.array]]] | None:
     if env.gated_delta_off():
         return None
-    from rewind.engine import cpu_gated_delta, cuda_gated_delta
+    from rewind.kernels import cpu_gated_delta, cuda_gated_delta
 
     if "cpu" not in _failed and cpu_gated_delta.available():
         return "cpu", cpu_gated_delta.recurrence
@@ -80,14 +79,11 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
 
 
 def use_in_model(model: Any) -> int:
-    """Point every module of `model` that calls mlx-lm's gated_delta_update at this one (mlx-lm's
-    linear attention modules import the name); returns how many modules were changed."""
+    """This model's modules that call mlx-lm's gated_delta_update call this one instead
+    (rewind.kernels.rebind: mlx-lm itself is untouched); returns how many modules changed."""
     from mlx_lm.models import gated_delta as mlx_gated_delta
 
-    changed = 0
-    for module in {type(m).__module__ for m in model.modules()}:
-        namespace = sys.modules.get(module)
-        if getattr(namespace, "gated_delta_update", None) is mlx_gated_delta.gated_delta_update:
-            namespace.gated_delta_update = gated_delta_update
-            changed += 1
-    return changed
+    from rewind.kernels.rebind import swap_function
+
+    return swap_function(model, "gated_delta_update", mlx_gated_delta.gated_delta_update,
+                         gated_delta_update)

@@ -6,7 +6,7 @@ Gemma 4's per-layer input embeddings are the largest case (262,144 x 35 x 256 fo
 in bf16, 9.4 GB widened). `use_in_model` swaps such `nn.Embedding`s for a `StoredEmbedding`
 that keeps the bf16 table and returns float32 rows, the values the widened table would give.
 Tables that may also serve as the output head (`embed_tokens`, tied to it in many families) are
-left to the loader's widening and the fast head (rewind.engine.fast_head).
+left to the loader's widening and the fast head (rewind.kernels.fast_head).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A cheaper output projection for CPU decode: the head's weights in bf16 (or int8) read by a
-small C kernel (rewind/native/cpu_kernels.c) instead of MLX's float32 matmul.
+small C kernel (rewind/kernels/c/cpu_kernels.c) instead of MLX's float32 matmul.
 
 Why: on a CPU, decode is bound by memory bandwidth. Gemma 3 270M's tied 262,144 x 640 output
 projection is 671 MB in float32, read once per generated token: more than the 18 layers
 together. MLX's CPU backend has no fast kernel for bf16 or quantized matmuls (both run slower
 than float32 through OpenBLAS), so Rewind compiles its own kernels with the system C compiler
-at first use (rewind.engine.native) and calls them through ctypes. The bf16 form is exact for bf16 checkpoints
+at first use (rewind.kernels.native) and calls them through ctypes. The bf16 form is exact for bf16 checkpoints
 (the float32 weights were widened from bf16), so logits match the float32 head up to summation
 order; int8 (one scale per row) halves the bytes again at a small, measured perplexity cost.
 Without a compiler or AVX2 `build_kernel` returns None and the model keeps its MLX head.
@@ -19,15 +19,17 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
-from rewind.engine.native import FORMS, int8_rows, kernel_threads, load_kernels
-from rewind.engine.native_forward import host_view
+from rewind.kernels.backend import ObjectTable
+
+from rewind.kernels.native import FORMS, int8_rows, kernel_threads, load_kernels
+from rewind.kernels.native_forward import host_view
 
 HeadForm = Literal["bf16", "int8"]
 HEAD_FORMS: tuple[str, ...] = ("bf16", "int8")
 
 
 def build_kernel() -> ctypes.CDLL | None:
-    """The compiled CPU kernels (rewind.engine.native), or None where they cannot be built."""
+    """The compiled CPU kernels (rewind.kernels.native), or None where they cannot be built."""
     return load_kernels()
 
 
@@ -119,14 +121,17 @@ def install_fast_head(model: Any, form: str = "auto") -> CpuHead | None:
             return None
         form = "bf16"
     head = CpuHead(weight, form, kernel)  # type: ignore[arg-type]
-    # Stored outside the parameter tree (nn.Module keeps public attributes as children).
-    object.__setattr__(model, "_rewind_fast_head", head)
+    _HEADS.set(model, head)
     return head
 
 
+# model -> its CpuHead: the backend's table, not an attribute on mlx-lm's object.
+_HEADS: ObjectTable[CpuHead] = ObjectTable()
+
+
 def fast_head(model: Any) -> CpuHead | None:
-    return model.__dict__.get("_rewind_fast_head")
+    return _HEADS.get(model)
 
 
 def remove_fast_head(model: Any) -> None:
-    model.__dict__.pop("_rewind_fast_head", None)
+    _HEADS.pop(model)

@@ -1,4 +1,4 @@
-"""Build and load rewind/native/*.c: the CPU kernels (matvecs, layer work, attention, the
+"""Build and load rewind/kernels/c/*.c: the CPU kernels (matvecs, layer work, attention, the
 gated delta rule).
 
 Compiled once with the system C compiler into the cache folder, keyed by the source and the
@@ -28,7 +28,7 @@ from rewind.paths import cache_home
 
 log = logging.getLogger(__name__)
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+NATIVE = Path(__file__).resolve().parent / "c"  # the C sources, beside this package
 SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "attention.c", NATIVE / "gated_delta.c")
 HEADERS = (NATIVE / "simd.h",)
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]

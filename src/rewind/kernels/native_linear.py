@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from rewind.engine import native
+from rewind.kernels import native
 
 
 class NativeLinear(nn.Module):
@@ -71,7 +71,7 @@ class NativeLinear(nn.Module):
 
 def use_in_model(model: Any) -> int:
     """Replace every bf16 `nn.Linear` of `model` (not quantized ones, not other classes, not the
-    output head, which rewind.engine.fast_head handles) with a NativeLinear; returns how many.
+    output head, which rewind.kernels.fast_head handles) with a NativeLinear; returns how many.
     Does nothing where the kernels cannot be built."""
     if native.load_kernels() is None:
         return 0
