@@ -85,12 +85,13 @@ def test_alternating_models_answer_as_each_alone(tiny_model_path, tmp_path):
 
 def test_a_budget_for_two_unloads_the_least_recently_used(tiny_model_path, tmp_path):
     names = folders(tiny_model_path)
-    # KV reserves of 4 x 4096 tokens (17-67 MB of accounting, nothing allocated) keep the needs
-    # well above the few MB a served request leaves in the sampled baseline.
-    with pool_server(names, tmp_path, reserve_tokens=4096, parallel=4) as (live, pool):
+    # KV reserves of 12 x 4096 tokens (52-200 MB of accounting, nothing allocated) keep the
+    # needs well above what first loads and served requests add to the sampled baseline (up to
+    # ~12 MB measured in a fresh process).
+    with pool_server(names, tmp_path, reserve_tokens=4096, parallel=12) as (live, pool):
         needs = [pool.load_need_of(pool.slot(name).entry) for name in names]
         two = sorted(needs)[1:]
-        pool.budget.total = pool.budget.baseline() + sum(two) + min(needs) // 2  # not three
+        pool.budget.total = pool.budget.baseline() + sum(two) + min(needs) * 3 // 4  # not 3
         first, second, third = names
         assert cached_tokens(live, first) == 0  # the first is loaded at start
         cached_tokens(live, second)
@@ -217,6 +218,19 @@ def test_a_sequence_that_would_cross_the_budget_ends_with_length(tiny_model_path
         assert "memory budget" in choice["finish_detail"]
         assert answer.json()["usage"]["completion_tokens"] < 1000
         assert metric(live, "rewind_memory_guard_actions_total", action="cut_length") >= 1
+        # The same cut through the Anthropic and Responses APIs: their "length" stop, and the
+        # reason in a field of its own (the SDKs keep unknown fields).
+        long_question = [{"role": "user", "content": "x " * 60}]
+        message = post(live, "/v1/messages", {"model": name, "messages": long_question,
+                                              "max_tokens": 1000, "temperature": 0}).json()
+        assert message["stop_reason"] == "max_tokens", message
+        assert "memory budget" in message["stop_detail"]
+        response = post(live, "/v1/responses", {"model": name, "input": "x " * 60,
+                                                "max_output_tokens": 1000,
+                                                "temperature": 0}).json()
+        assert response["status"] == "incomplete", response
+        assert response["incomplete_details"]["reason"] == "max_output_tokens"
+        assert "memory budget" in response["incomplete_details"]["detail"]
         # A prompt that can never fit is a 400 naming the need; the server goes on.
         too_long = post(live, "/v1/completions", {"model": name, "prompt": PROMPT * 2,
                                                   "max_tokens": 2})
@@ -270,8 +284,9 @@ def test_rss_stays_under_the_budget_over_a_load_unload_churn(tiny_model_path, tm
              str(tiny_model_path("llama"))]
     with pool_server(names, tmp_path, reserve_tokens=256) as (live, pool):
         needs = sorted(pool.load_need_of(pool.slot(name).entry) for name in names)
-        # The two largest and 32 MiB for what serving leaves behind (a few MB measured).
-        pool.budget.total = pool.budget.baseline() + needs[-1] + needs[-2] + (32 << 20)
+        # The two largest and 24 MiB for what first loads and serving add to the baseline (up
+        # to ~12 MB measured in a fresh process).
+        pool.budget.total = pool.budget.baseline() + needs[-1] + needs[-2] + (24 << 20)
         highest = [process_rss()]
         done = threading.Event()
 
@@ -294,3 +309,37 @@ def test_rss_stays_under_the_budget_over_a_load_unload_churn(tiny_model_path, tm
                       for name in names)
         assert unloads >= 6  # the budget did force the churn
         assert metric(live, "rewind_process_rss_bytes") <= pool.budget.total
+
+
+def test_a_wait_for_memory_is_bounded_and_ends_when_its_client_leaves(tiny_model_path,
+                                                                      tmp_path):
+    import asyncio
+
+    name = folders(tiny_model_path)[0]
+    with pool_server([name], tmp_path, reserve_tokens=16) as (live, pool):
+        budget = pool.budget
+        budget.total = budget.baseline() + budget.models_bytes()  # the model's reserve only
+        kv = pool.slot(name).runtime.kv
+        # A running sequence holding the whole reserve (--parallel 2 x 256 tokens): a real
+        # ticket, taken as a request's would be, so the wait does not hang on timing.
+        held = asyncio.run(budget.admit(kv, 512, name))
+        request = {"model": name, "prompt": PROMPT[:200], "max_tokens": 2, "temperature": 0}
+
+        budget.max_wait_seconds = 0.3
+        answer = post(live, "/v1/completions", request)
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] and "memory budget" in answer.text
+        assert metric(live, "rewind_memory_guard_actions_total", action="wait_timeout") == 1
+
+        budget.max_wait_seconds = 600
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
+            httpx.post(f"{live.url}/v1/completions", json=request, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while budget.waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert budget.waiting == 0
+        assert metric(live, "rewind_memory_guard_actions_total", action="wait_abandoned") == 1
+
+        held.release()
+        assert post(live, "/v1/completions", request).status_code == 200
+        assert budget.live_bytes() == 0
