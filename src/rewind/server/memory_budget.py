@@ -25,6 +25,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rewind.models.memory_estimate import KvShape
@@ -34,8 +35,12 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL_SECONDS = 0.05
 RETRY_AFTER_SECONDS = 2
+# How long a sequence waits for room before a 503: long enough for running ones to finish a
+# typical answer, short enough that a client is told rather than left hanging (their own
+# timeouts are often 60 s or more; then they retry after Retry-After).
+MAX_WAIT_SECONDS = 30.0
 GUARD_ACTIONS = ("ram_spill", "wait", "reject_429", "cut_length", "unload_lru", "fallback",
-                 "refuse_load", "refuse_prompt")
+                 "refuse_load", "refuse_prompt", "wait_timeout", "wait_abandoned")
 
 
 def gib(value: int) -> str:
@@ -73,6 +78,7 @@ class MemoryBudget:
         self.total = int(total_bytes)
         self.tiers = tiers  # rewind.cache.shared_tiers.SharedTiers, or None
         self.max_waiting = max_waiting
+        self.max_wait_seconds = MAX_WAIT_SECONDS
         self.base = int(base_bytes)  # RSS before any model: the floor of the baseline
         self.observed_base = self.base  # the baseline as last sampled (`observe`)
         self.rss = self.base  # the process's RSS when last sampled
@@ -170,9 +176,12 @@ class MemoryBudget:
 
     # ---- sequences ---------------------------------------------------------------------------
 
-    async def admit(self, kv: KvShape, tokens: int, model: str) -> Ticket:
+    async def admit(self, kv: KvShape, tokens: int, model: str,
+                    client_gone: Callable[[], Awaitable[Any]] | None = None) -> Ticket:
         """A ticket for a new sequence of `tokens`, once its cache fits; waits while the
-        running ones hold the room; 429 past max_waiting; 400 for a prompt that cannot fit."""
+        running ones hold the room (at most max_wait_seconds, then 503; given up at once when
+        what `client_gone()` returns completes: the client hung up); 429 past max_waiting; 400 for a prompt
+        that cannot fit."""
         ticket = Ticket(self, kv, tokens, model)
         with self._lock:
             weights = self._models.get(model, (0, 0))[0]
@@ -196,11 +205,28 @@ class MemoryBudget:
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         self.actions["wait"] += 1
         self._waiting += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_seconds
+        gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
         try:
             while not self._try_take(ticket):
+                if gone is not None and gone.done():
+                    self.actions["wait_abandoned"] += 1
+                    # Nobody reads this answer; 499 (the client closed) only shows in logs.
+                    raise ApiError(499, "invalid_request", "the client disconnected while "
+                                   "waiting for room in the memory budget")
+                if loop.time() >= deadline:
+                    self.actions["wait_timeout"] += 1
+                    raise ApiError(503, "overloaded",
+                                   f"no room in the memory budget ({gib(self.total)}) for "
+                                   f"{self.max_wait_seconds:g} s: running sequences hold it; "
+                                   "retry later", code="memory_budget_full",
+                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 await asyncio.sleep(WAIT_POLL_SECONDS)
         finally:
             self._waiting -= 1
+            if gone is not None:
+                gone.cancel()
         return ticket
 
     def _try_take(self, ticket: Ticket) -> bool:
