@@ -138,7 +138,7 @@ class Server:
 
 def rewind_argv(models: list[Path | str], port: int, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "rewind", "serve", "--port", str(port), "--parallel", "1",
-            "--log-level", "warning"]
+            "--log-level", "info"]
     for model in models:
         argv += ["--model", str(model)]
     return argv + list(extra)
@@ -206,10 +206,15 @@ def run(args: argparse.Namespace) -> int:
     with Server(rewind_argv([tiny, *churn_models[1:]], args.port, "--memory-budget",
                             str(budget), "--kv-reserve-tokens", "256"), url,
                 logs / "model-switch-churn.log") as server:
-        times = []
+        times, refused = [], []
         for index in range(args.churn_loads):
             model = churn_models[(index + 1) % len(churn_models)]
-            times.append(first_token(url, model))
+            try:
+                times.append(first_token(url, model))
+            except RuntimeError as exc:  # the guard refusing a load is an answer, recorded
+                refused.append(str(exc)[:300])
+                print(f"churn load {index}: {exc}", flush=True)
+        churn["refused"] = refused
         metrics = httpx.get(f"{url}/metrics").text
         churn["first_token_s"] = times
         churn["rss_max_bytes"] = server.rss_max
@@ -277,7 +282,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"--memory-budget {churn['budget_bytes'] / 2**30:.2f} GiB (fits the two largest): "
         f"max RSS {churn['rss_max_bytes'] / 2**30:.2f} GiB "
         f"({'under' if churn['under_budget'] else 'OVER'} the budget), "
-        f"{churn['unloads_lru']:.0f} least-recently-used unloads, first token median "
+        f"{churn['unloads_lru']:.0f} least-recently-used unloads, "
+        f"{len(churn.get('refused', []))} loads refused, first token median "
         f"{_median(churn['first_token_s']):.2f} s.", "",
         "## Machine", "", machine_markdown(results["machine"]), ""]
     return "\n".join(lines)
