@@ -85,10 +85,13 @@ def test_alternating_models_answer_as_each_alone(tiny_model_path, tmp_path):
 
 def test_a_budget_for_two_unloads_the_least_recently_used(tiny_model_path, tmp_path):
     names = folders(tiny_model_path)
-    with pool_server(names, tmp_path, reserve_tokens=512) as (live, pool):
-        needs = [pool.need_of(pool.slot(name).entry) for name in names]
+    # KV reserves of 12 x 4096 tokens (52-200 MB of accounting, nothing allocated) keep the
+    # needs well above what first loads and served requests add to the sampled baseline (up to
+    # ~12 MB measured in a fresh process).
+    with pool_server(names, tmp_path, reserve_tokens=4096, parallel=12) as (live, pool):
+        needs = [pool.load_need_of(pool.slot(name).entry) for name in names]
         two = sorted(needs)[1:]
-        pool.budget.total = pool.budget.base + sum(two) + min(needs) // 2  # two fit, not three
+        pool.budget.total = pool.budget.baseline() + sum(two) + min(needs) * 3 // 4  # not 3
         first, second, third = names
         assert cached_tokens(live, first) == 0  # the first is loaded at start
         cached_tokens(live, second)
@@ -110,8 +113,9 @@ def test_a_model_over_budget_is_a_clear_error_and_others_keep_serving(tiny_model
     gemma = names[1]
     with pool_server([gemma, names[0]], tmp_path, reserve_tokens=4096) as (live, pool):
         # Llama's KV reserve (4 full-attention layers) is the largest: it cannot fit alone.
-        pool.budget.total = pool.budget.base + pool.need_of(pool.slot(gemma).entry) + (1 << 20)
-        assert pool.need_of(pool.slot(names[0]).entry) > pool.budget.alone_room()
+        pool.budget.total = (pool.budget.baseline() + pool.load_need_of(pool.slot(gemma).entry)
+                             + (1 << 20))
+        assert pool.load_need_of(pool.slot(names[0]).entry) > pool.budget.alone_room()
         client = live.openai()
         with pytest.raises(openai.BadRequestError) as refused:
             chat(client, names[0])
@@ -122,25 +126,32 @@ def test_a_model_over_budget_is_a_clear_error_and_others_keep_serving(tiny_model
         assert metric(live, "rewind_memory_guard_actions_total", action="refuse_load") == 1
 
 
+# A llama of ~14M parameters: its f32 and bf16 forms differ by ~27 MB, well above the few MB an
+# unload or a served request leaves in the sampled baseline (the tiny ones differ by 0.7 MB).
+SMALL_LLAMA = {"hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "head_dim": 64}
+
+
 def test_a_smaller_form_serves_when_the_named_one_does_not_fit(tiny_model_path, tmp_path):
     from rewind import paths
     from rewind.models.conversion import QuantSpec, convert
+    from rewind.testing.tiny_models import build_tiny_model
 
-    llama = str(tiny_model_path("llama"))
+    llama = str(build_tiny_model("llama", tmp_path / "small-llama", overrides=SMALL_LLAMA))
     gemma = str(tiny_model_path("gemma3"))
-    convert(Path(llama), paths.models_dir() / "tiny-llama-bf16", QuantSpec(16),
+    convert(Path(llama), paths.models_dir() / "small-llama-bf16", QuantSpec(16),
             show_progress=False)
     with pool_server([gemma, llama], tmp_path, reserve_tokens=16) as (live, pool):
-        full = pool.need_of(pool.slot(llama).entry)
-        small = pool.need_of(pool.slot("tiny-llama-bf16").entry)
-        assert small < full
-        pool.budget.total = pool.budget.base + (small + full) // 2
+        full = pool.load_need_of(pool.slot(llama).entry)
+        small = pool.load_need_of(pool.slot("small-llama-bf16").entry)
+        assert small + (16 << 20) < full
+        pool.budget.total = pool.budget.baseline() + (small + full) // 2
         answer = post(live, "/v1/chat/completions", {"model": llama, "messages": QUESTION,
                                                      "max_tokens": 4, "temperature": 0})
         assert answer.status_code == 200, answer.text
         note = answer.headers["x-rewind-model-fallback"]
-        assert note.startswith("tiny-llama-bf16 (bf16) served for") and llama in note
-        assert models_by_id(live)["tiny-llama-bf16"]["loaded"]
+        assert note.startswith("small-llama-bf16 (bf16) served for") and llama in note
+        assert models_by_id(live)["small-llama-bf16"]["loaded"]
         assert not models_by_id(live)[llama]["loaded"]
 
 
@@ -194,7 +205,7 @@ def test_a_sequence_that_would_cross_the_budget_ends_with_length(tiny_model_path
     name = folders(tiny_model_path)[0]
     with pool_server([name], tmp_path, reserve_tokens=16) as (live, pool):
         # Only the model's reserve: --parallel 2 slots of 16 tokens (256, mlx-lm's step).
-        pool.budget.total = pool.budget.base + pool.budget.models_bytes()
+        pool.budget.total = pool.budget.baseline() + pool.budget.models_bytes()
         assert pool.slot(name).runtime.kv.bytes_for(2 * KV_STEP) == pool.budget.models_bytes() \
             - pool.slot(name).loaded_bytes
         prompt = PROMPT[:200]
@@ -207,6 +218,19 @@ def test_a_sequence_that_would_cross_the_budget_ends_with_length(tiny_model_path
         assert "memory budget" in choice["finish_detail"]
         assert answer.json()["usage"]["completion_tokens"] < 1000
         assert metric(live, "rewind_memory_guard_actions_total", action="cut_length") >= 1
+        # The same cut through the Anthropic and Responses APIs: their "length" stop, and the
+        # reason in a field of its own (the SDKs keep unknown fields).
+        long_question = [{"role": "user", "content": "x " * 60}]
+        message = post(live, "/v1/messages", {"model": name, "messages": long_question,
+                                              "max_tokens": 1000, "temperature": 0}).json()
+        assert message["stop_reason"] == "max_tokens", message
+        assert "memory budget" in message["stop_detail"]
+        response = post(live, "/v1/responses", {"model": name, "input": "x " * 60,
+                                                "max_output_tokens": 1000,
+                                                "temperature": 0}).json()
+        assert response["status"] == "incomplete", response
+        assert response["incomplete_details"]["reason"] == "max_output_tokens"
+        assert "memory budget" in response["incomplete_details"]["detail"]
         # A prompt that can never fit is a 400 naming the need; the server goes on.
         too_long = post(live, "/v1/completions", {"model": name, "prompt": PROMPT * 2,
                                                   "max_tokens": 2})
@@ -221,7 +245,7 @@ def test_parallel_long_prompts_against_a_tight_budget(tiny_model_path, tmp_path)
         pool.budget.max_waiting = 1  # the engine's queue (16) is not what answers 429 here
         kv = pool.slot(name).runtime.kv
         # Room for two long sequences beyond the model's reserve.
-        pool.budget.total = pool.budget.base + pool.budget.models_bytes() + kv.bytes_for(1024) * 2
+        pool.budget.total = pool.budget.baseline() + pool.budget.models_bytes() + kv.bytes_for(1024) * 2
         prompts = [[(13 * i + k) % 500 + 3 for i in range(900)] for k in range(8)]
 
         def send(prompt: list[int]) -> httpx.Response:
@@ -240,3 +264,82 @@ def test_parallel_long_prompts_against_a_tight_budget(tiny_model_path, tmp_path)
         assert httpx.get(f"{live.url}/health").status_code == 200
         assert metric(live, "rewind_memory_guard_actions_total", action="reject_429") >= 1
         assert pool.budget.live_bytes() == 0  # every ticket given back
+
+
+def test_rss_stays_under_the_budget_over_a_load_unload_churn(tiny_model_path, tmp_path):
+    """What the OS sees, not what the accounting says: the process's RSS, sampled every 2 ms
+    while 12 requests cycle through 4 models under a budget that fits the two largest (so each
+    load first unloads the least recently used one)."""
+    import threading
+
+    from rewind import paths
+    from rewind.memory import process_rss
+    from rewind.models.conversion import QuantSpec, convert
+    from rewind.testing.tiny_models import build_tiny_model
+
+    big = str(build_tiny_model("llama", tmp_path / "small-llama", overrides=SMALL_LLAMA))
+    convert(Path(big), paths.models_dir() / "small-llama-bf16", QuantSpec(16),
+            show_progress=False)
+    names = [str(tiny_model_path("gemma3")), big, "small-llama-bf16",
+             str(tiny_model_path("llama"))]
+    with pool_server(names, tmp_path, reserve_tokens=256) as (live, pool):
+        needs = sorted(pool.load_need_of(pool.slot(name).entry) for name in names)
+        # The two largest and 24 MiB for what first loads and serving add to the baseline (up
+        # to ~12 MB measured in a fresh process).
+        pool.budget.total = pool.budget.baseline() + needs[-1] + needs[-2] + (24 << 20)
+        highest = [process_rss()]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                highest[0] = max(highest[0], process_rss())
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            client = live.openai()
+            for index in range(12):
+                chat(client, names[(index + 1) % len(names)])
+        finally:
+            done.set()
+            sampler.join()
+        assert highest[0] <= pool.budget.total, (highest[0], pool.budget.total)
+        unloads = sum(metric(live, "rewind_model_unloads_total", model=name, reason="lru")
+                      for name in names)
+        assert unloads >= 6  # the budget did force the churn
+        assert metric(live, "rewind_process_rss_bytes") <= pool.budget.total
+
+
+def test_a_wait_for_memory_is_bounded_and_ends_when_its_client_leaves(tiny_model_path,
+                                                                      tmp_path):
+    import asyncio
+
+    name = folders(tiny_model_path)[0]
+    with pool_server([name], tmp_path, reserve_tokens=16) as (live, pool):
+        budget = pool.budget
+        budget.total = budget.baseline() + budget.models_bytes()  # the model's reserve only
+        kv = pool.slot(name).runtime.kv
+        # A running sequence holding the whole reserve (--parallel 2 x 256 tokens): a real
+        # ticket, taken as a request's would be, so the wait does not hang on timing.
+        held = asyncio.run(budget.admit(kv, 512, name))
+        request = {"model": name, "prompt": PROMPT[:200], "max_tokens": 2, "temperature": 0}
+
+        budget.max_wait_seconds = 0.3
+        answer = post(live, "/v1/completions", request)
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] and "memory budget" in answer.text
+        assert metric(live, "rewind_memory_guard_actions_total", action="wait_timeout") == 1
+
+        budget.max_wait_seconds = 600
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes
+            httpx.post(f"{live.url}/v1/completions", json=request, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while budget.waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert budget.waiting == 0
+        assert metric(live, "rewind_memory_guard_actions_total", action="wait_abandoned") == 1
+
+        held.release()
+        assert post(live, "/v1/completions", request).status_code == 200
+        assert budget.live_bytes() == 0

@@ -4,8 +4,9 @@
   the default model and a ~1B-shaped random-weight llama, with the weights' pages evicted from
   the page cache (posix_fadvise DONTNEED on each file: no root needed) and then warm;
 - switch: both loaded, requests alternating between them (first-token time of each);
-- churn: 20 loads over 4 models under a --memory-budget that fits the two largest, the server's
-  RSS sampled every 50 ms (it must stay under the budget);
+- churn: 20 loads over 4 models under a --memory-budget that fits the two largest (as the
+  server measured them loaded), the server's RSS sampled every 10 ms (it must stay under the
+  budget);
 - mlx-lm's server on the same folders: it holds one model and loads the one a request names.
 """
 
@@ -37,6 +38,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--switches", type=int, default=6)
     parser.add_argument("--churn-loads", type=int, default=20)
     parser.add_argument("--skip-mlx-lm", action="store_true")
+    parser.add_argument("--churn-budget", type=int, default=None,
+                        help="--memory-budget bytes for the churn (default: the two largest "
+                        "models as measured loaded + the baseline + 400 MiB)")
 
 
 def build_one_b(folder: Path) -> Path:
@@ -120,7 +124,7 @@ class Server:
                 self.rss_max = max(self.rss_max, process.memory_info().rss)
             except psutil.Error:
                 return
-            time.sleep(0.05)
+            time.sleep(0.01)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -134,7 +138,7 @@ class Server:
 
 def rewind_argv(models: list[Path | str], port: int, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "rewind", "serve", "--port", str(port), "--parallel", "1",
-            "--log-level", "warning"]
+            "--log-level", "info"]
     for model in models:
         argv += ["--model", str(model)]
     return argv + list(extra)
@@ -165,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
 
     # ---- Rewind: loads (cold, warm) and switches -----------------------------------------
     rewind: dict[str, Any] = {}
-    with Server(rewind_argv([tiny, "default", one_b], args.port), url,
+    f32 = next(bench_models.glob("default-bf16-*-f32-for-mlx-lm"), None)
+    with Server(rewind_argv([tiny, "default", one_b, *([f32] if f32 else [])], args.port), url,
                 logs / "model-switch-rewind.log") as server:
         for name, model, folder in (("default", "default", default), ("1b", str(one_b), one_b)):
             evict(folder)
@@ -182,28 +187,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"rewind switches: {[round(s, 3) for s in switches]}", flush=True)
         models = httpx.get(f"{url}/v1/models").json()["data"]
         weights = {m["id"]: m.get("memory_bytes", 0) for m in models if m.get("loaded")}
+        if f32 is not None:  # what the float32 copy keeps loaded, measured the same way
+            unload(url, str(one_b))
+            first_token(url, str(f32))
+            models = httpx.get(f"{url}/v1/models").json()["data"]
+            weights.update({m["id"]: m.get("memory_bytes", 0) for m in models
+                            if m["id"] == str(f32)})
         metrics = httpx.get(f"{url}/metrics").text
         base = next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                     if line.startswith('rewind_memory_bytes{part="base"}'))
     results["rewind"] = rewind
 
     # ---- Rewind: churn under a budget for two -------------------------------------------
-    f32 = next(bench_models.glob("default-bf16-*-f32-for-mlx-lm"), None)
     churn_models = [str(tiny), "default", str(one_b)] + ([str(f32)] if f32 else [])
-    sizes = sorted([weights.get("default", 0), weights.get(str(one_b), 0),
-                    (f32 and sum(p.stat().st_size for p in f32.glob("*.safetensors")) * 1.2) or 0])
-    budget = int(base + sizes[-1] + sizes[-2] + (400 << 20))
+    sizes = sorted(weights.get(model, 0) for model in churn_models)
+    budget = args.churn_budget or int(base + sizes[-1] + sizes[-2] + (400 << 20))
     churn: dict[str, Any] = {"budget_bytes": budget, "models": churn_models}
     with Server(rewind_argv([tiny, *churn_models[1:]], args.port, "--memory-budget",
                             str(budget), "--kv-reserve-tokens", "256"), url,
                 logs / "model-switch-churn.log") as server:
-        times = []
+        times, refused = [], []
         for index in range(args.churn_loads):
             model = churn_models[(index + 1) % len(churn_models)]
-            times.append(first_token(url, model))
+            try:
+                times.append(first_token(url, model))
+            except RuntimeError as exc:  # the guard refusing a load is an answer, recorded
+                refused.append(str(exc)[:300])
+                print(f"churn load {index}: {exc}", flush=True)
+        churn["refused"] = refused
         metrics = httpx.get(f"{url}/metrics").text
         churn["first_token_s"] = times
         churn["rss_max_bytes"] = server.rss_max
+        churn["model_bytes"] = {model: weights.get(model, 0) for model in churn_models}
         churn["unloads_lru"] = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                                    if line.startswith("rewind_model_unloads_total")
                                    and 'reason="lru"' in line)
@@ -267,7 +282,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"--memory-budget {churn['budget_bytes'] / 2**30:.2f} GiB (fits the two largest): "
         f"max RSS {churn['rss_max_bytes'] / 2**30:.2f} GiB "
         f"({'under' if churn['under_budget'] else 'OVER'} the budget), "
-        f"{churn['unloads_lru']:.0f} least-recently-used unloads, first token median "
+        f"{churn['unloads_lru']:.0f} least-recently-used unloads, "
+        f"{len(churn.get('refused', []))} loads refused, first token median "
         f"{_median(churn['first_token_s']):.2f} s.", "",
         "## Machine", "", machine_markdown(results["machine"]), ""]
     return "\n".join(lines)

@@ -197,4 +197,7 @@ def loaded_bytes(model: Any) -> int:
         if id(array) not in seen:
             seen.add(id(array))
             total += array.nbytes
-    return total
+    # The CPU head's bf16 / int8 copy lives in NumPy, outside the parameter tree (a float32
+    # model's is ~0.31 GiB for Gemma 3's head).
+    head = model.__dict__.get("_rewind_fast_head") if hasattr(model, "__dict__") else None
+    return total + (int(getattr(head, "own_bytes", 0)) if head is not None else 0)

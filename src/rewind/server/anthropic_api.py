@@ -207,6 +207,13 @@ def _stop(generation: Generation) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _stop_detail(generation: Generation) -> dict[str, str]:
+    """Why a "max_tokens" stop came early: the memory guard's reason. Anthropic's schema has no
+    field for it; its SDKs keep unknown fields (`message.model_extra`), as they do OpenAI's
+    `finish_detail` that Rewind's chat responses carry."""
+    return {"stop_detail": generation.cut_reason} if generation.cut_reason else {}
+
+
 def _block(piece: Piece) -> dict[str, Any]:
     if piece.kind == "reasoning":
         return {"type": "thinking", "thinking": piece.text, "signature": THINKING_SIGNATURE}
@@ -261,7 +268,7 @@ async def messages(request: Request) -> Any:
         "id": message_id, "type": "message", "role": "assistant", "model": model,
         "content": [_block(piece) for piece in merge_pieces(pieces)],
         "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-        "usage": usage_json(generation.usage),
+        **_stop_detail(generation), "usage": usage_json(generation.usage),
     })
 
 
@@ -330,6 +337,7 @@ async def _message_stream(generation: Generation, message_id: str, model: str,
     stop_reason, stop_sequence = _stop(generation)
     yield sse_event("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": stop_reason,
-                                                "stop_sequence": stop_sequence},
+                                                "stop_sequence": stop_sequence,
+                                                **_stop_detail(generation)},
                                       "usage": usage_json(generation.usage)})
     yield sse_event("message_stop", {"type": "message_stop"})

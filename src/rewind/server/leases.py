@@ -8,6 +8,7 @@ by a smaller form than the one named (the memory budget's fallback) says so in a
 
 from __future__ import annotations
 
+import asyncio
 from contextvars import ContextVar
 from typing import Any
 
@@ -21,6 +22,22 @@ FALLBACK_HEADER = b"x-rewind-model-fallback"
 # The memory-budget tickets of the request being served: given back with its leases, in case
 # its Generation never ran (a stream whose client left before the first byte).
 _tickets: ContextVar[list[Any] | None] = ContextVar("rewind_tickets", default=None)
+
+
+# The ASGI receive of the request being served: lets a wait for memory notice its client left.
+_receive: ContextVar[Receive | None] = ContextVar("rewind_receive", default=None)
+
+
+async def client_disconnected() -> None:
+    """Returns when the client of the request being served hangs up (never, outside the
+    middleware). Call it only once the request's body has been read: the only message left to
+    receive then is http.disconnect."""
+    receive = _receive.get()
+    if receive is None:
+        await asyncio.Event().wait()
+        return
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def track_ticket(ticket: Any) -> None:
@@ -53,6 +70,7 @@ class LeaseMiddleware:
         scope[SCOPE_KEY] = leases
         tickets: list[Any] = []
         token = _tickets.set(tickets)
+        receive_token = _receive.set(receive)
 
         async def send_with_note(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -67,6 +85,7 @@ class LeaseMiddleware:
             await self.app(scope, receive, send_with_note)
         finally:
             _tickets.reset(token)
+            _receive.reset(receive_token)
             for ticket in tickets:  # idempotent: most were given back by their Generation
                 ticket.release()
             for lease in leases:

@@ -1,11 +1,18 @@
 """The memory budget: loaded weights + live KV caches + the prompt cache's RAM tier, under one cap.
 
-Accounting, not sampling: each loaded model counts the bytes its arrays hold (measured once it
-is loaded) and a reserve for its sequences' caches (--parallel slots of --kv-reserve-tokens),
-each live sequence the bytes its cache holds at its token count (KvShape; a model's sequences
-fill its reserve first, then take room beyond it), the RAM tier its records' bytes, and the
-process its baseline (interpreter, libraries) measured before any model. Sampling RSS would see a sequence only after it crossed the line; accounting sees it
-before. When room runs short the guard acts in this order:
+Accounting checked against the OS: each loaded model counts the larger of its estimate and the
+RSS its load actually added (ModelPool measures it), plus a reserve for its sequences' caches
+(--parallel slots of --kv-reserve-tokens); each live sequence the bytes its cache holds at its
+token count (KvShape; a model's sequences fill its reserve first, then take room beyond it); the
+RAM tier its records' bytes; a load in progress its measured (or estimated) peak, which is above
+what it keeps: files read before the cast, a tokenizer parsed; and the process its baseline.
+
+The baseline is sampled, not assumed: at each load and unload (`observe`) whatever RSS the
+accounting does not explain (modules imported by a first load, heap or MLX cache not handed back
+yet) is counted as baseline, never less than what the process held before any model. Sampling
+alone would see a sequence only after it crossed the line; accounting alone missed 0.95 GiB of
+load temporaries and retained heap in `rewind bench model-switch`'s churn. Between loads the
+guard runs on accounting (cheap, checked per token). When room runs short it acts in this order:
   1. the RAM tier shrinks (its records spill to the disk tier: they cost a read, not a recompute);
   2. a new sequence waits for room (429 with Retry-After once --max-queue are waiting);
   3. a running sequence that would cross the budget is ended with finish_reason "length".
@@ -18,6 +25,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rewind.models.memory_estimate import KvShape
@@ -27,8 +35,12 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL_SECONDS = 0.05
 RETRY_AFTER_SECONDS = 2
+# How long a sequence waits for room before a 503: long enough for running ones to finish a
+# typical answer, short enough that a client is told rather than left hanging (their own
+# timeouts are often 60 s or more; then they retry after Retry-After).
+MAX_WAIT_SECONDS = 30.0
 GUARD_ACTIONS = ("ram_spill", "wait", "reject_429", "cut_length", "unload_lru", "fallback",
-                 "refuse_load", "refuse_prompt")
+                 "refuse_load", "refuse_prompt", "wait_timeout", "wait_abandoned")
 
 
 def gib(value: int) -> str:
@@ -66,9 +78,13 @@ class MemoryBudget:
         self.total = int(total_bytes)
         self.tiers = tiers  # rewind.cache.shared_tiers.SharedTiers, or None
         self.max_waiting = max_waiting
-        self.base = int(base_bytes)
+        self.max_wait_seconds = MAX_WAIT_SECONDS
+        self.base = int(base_bytes)  # RSS before any model: the floor of the baseline
+        self.observed_base = self.base  # the baseline as last sampled (`observe`)
+        self.rss = self.base  # the process's RSS when last sampled
         self._lock = threading.Lock()
         self._models: dict[str, tuple[int, int]] = {}  # name -> (weights, KV reserve)
+        self._loading: dict[str, int] = {}  # name -> peak bytes reserved while it loads
         self._live: dict[int, Ticket] = {}
         self._waiting = 0
         self.actions: Counter[str] = Counter()
@@ -86,7 +102,7 @@ class MemoryBudget:
             if live:
                 for ticket in self._live.values():
                     per_model[ticket.model] = per_model.get(ticket.model, 0) + ticket.bytes
-            total = self.base
+            total = max(self.base, self.observed_base) + sum(self._loading.values())
             for name, (weights, reserve) in self._models.items():
                 if name != excluding:
                     total += weights + max(reserve, per_model.pop(name, 0))
@@ -105,12 +121,46 @@ class MemoryBudget:
             return sum(weights + reserve for weights, reserve in self._models.values())
 
     def free_for_load(self) -> int:
-        """Room for one more model's weights and reserve (the RAM tier spills to make room)."""
+        """Room for one more model's load peak and reserve (the RAM tier spills to make room)."""
         return self.total - self._fixed()
+
+    def baseline(self) -> int:
+        """The process without models: its RSS before any, or more as last observed."""
+        return max(self.base, self.observed_base)
 
     def alone_room(self) -> int:
         """What one model could have with every other unloaded and nothing running."""
-        return self.total - self.base
+        return self.total - self.baseline()
+
+    def observe(self, rss: int | None = None) -> int:
+        """Sample the process's RSS and count what the accounting does not explain as baseline
+        (never below the RSS before any model). Called between loads and unloads, when no load
+        is in flight (a load's pages are not charged until it ends). Returns the RSS."""
+        from rewind.memory import process_rss
+
+        rss = process_rss() if rss is None else int(rss)
+        with self._lock:
+            if self._loading:
+                return rss
+            explained = sum(weights for weights, _ in self._models.values())
+            explained += sum(ticket.bytes for ticket in self._live.values())
+        explained += self._ram_bytes()
+        self.rss = rss
+        self.observed_base = max(self.base, rss - explained)
+        return rss
+
+    # ---- loads -------------------------------------------------------------------------------
+
+    def begin_load(self, name: str, peak_bytes: int) -> None:
+        """Hold `peak_bytes` for a load in flight: its RSS rises by up to that before the model
+        is charged what it keeps."""
+        with self._lock:
+            self._loading[name] = int(peak_bytes)
+        self.rebalance()
+
+    def end_load(self, name: str) -> None:
+        with self._lock:
+            self._loading.pop(name, None)
 
     # ---- models ------------------------------------------------------------------------------
 
@@ -126,9 +176,12 @@ class MemoryBudget:
 
     # ---- sequences ---------------------------------------------------------------------------
 
-    async def admit(self, kv: KvShape, tokens: int, model: str) -> Ticket:
+    async def admit(self, kv: KvShape, tokens: int, model: str,
+                    client_gone: Callable[[], Awaitable[Any]] | None = None) -> Ticket:
         """A ticket for a new sequence of `tokens`, once its cache fits; waits while the
-        running ones hold the room; 429 past max_waiting; 400 for a prompt that cannot fit."""
+        running ones hold the room (at most max_wait_seconds, then 503; given up at once when
+        what `client_gone()` returns completes: the client hung up); 429 past max_waiting; 400 for a prompt
+        that cannot fit."""
         ticket = Ticket(self, kv, tokens, model)
         with self._lock:
             weights = self._models.get(model, (0, 0))[0]
@@ -152,11 +205,28 @@ class MemoryBudget:
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         self.actions["wait"] += 1
         self._waiting += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_seconds
+        gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
         try:
             while not self._try_take(ticket):
+                if gone is not None and gone.done():
+                    self.actions["wait_abandoned"] += 1
+                    # Nobody reads this answer; 499 (the client closed) only shows in logs.
+                    raise ApiError(499, "invalid_request", "the client disconnected while "
+                                   "waiting for room in the memory budget")
+                if loop.time() >= deadline:
+                    self.actions["wait_timeout"] += 1
+                    raise ApiError(503, "overloaded",
+                                   f"no room in the memory budget ({gib(self.total)}) for "
+                                   f"{self.max_wait_seconds:g} s: running sequences hold it; "
+                                   "retry later", code="memory_budget_full",
+                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 await asyncio.sleep(WAIT_POLL_SECONDS)
         finally:
             self._waiting -= 1
+            if gone is not None:
+                gone.cancel()
         return ticket
 
     def _try_take(self, ticket: Ticket) -> bool:
@@ -204,7 +274,8 @@ class MemoryBudget:
 
     def stats(self) -> dict[str, Any]:
         return {"budget_bytes": self.total, "committed_bytes": self.committed(),
-                "base_bytes": self.base, "models_bytes": self.models_bytes(),
+                "base_bytes": self.baseline(), "rss_bytes": self.rss,
+                "loading_bytes": sum(self._loading.values()), "models_bytes": self.models_bytes(),
                 "live_kv_bytes": self.live_bytes(), "ram_tier_bytes": self._ram_bytes(),
                 "waiting": self._waiting, "actions": dict(self.actions)}
 

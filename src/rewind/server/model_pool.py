@@ -9,6 +9,12 @@ engine is the existing Engine, created and shut down through its public API.
 What an unload frees: the engine (its thread, live caches), the model's arrays, MLX's buffer
 cache and glibc's free heap. What it keeps: the model's PromptCache (its partial-point index)
 with the model detached; its records stay in the shared tiers, so a reload hits them.
+
+Memory is measured around every load and unload, because estimates alone let the process cross
+its budget (4.46 GiB RSS under a 3.51 GiB budget in the churn benchmark): a load reserves its
+peak, not just what it keeps (first load: an estimate; then the peak it was measured to reach),
+is charged the larger of its estimate and the RSS it added, and an unload waits until the freed
+memory is back with the OS before the budget counts it free (`_settle`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # The tokenizer's share of a loaded model beyond its weights (parsed vocabulary, merges):
 # measured ~6x tokenizer.json for Gemma 3's 262k-token one (33 MB file, ~195 MB resident).
 TOKENIZER_FACTOR = 6
+# A first load's peak above its header estimate, before it has been measured: half its weight
+# files plus the tokenizer's parse once more (the JSON text and the half-built vocabulary are
+# freed only after it is done). Measured peaks over the estimate: +0.23 GiB (default, 0.5 GiB
+# bf16 file), +0.27 (1B-shaped llama, 1.8 GiB), +0.53 (the default in float32, 1.0 GiB: the CPU
+# head's bf16 copy, which headers cannot show). Conservative on purpose: from the second load
+# on, the measured peak replaces it.
+LOAD_FILE_FRACTION = 2
+# A measured peak is reserved with this share on top: loads of the same files peak a few MB
+# apart (what the last load left in the heap, page alignment); the churn benchmark without it
+# came within 2.7 MB of its budget.
+LOAD_PEAK_MARGIN = 32  # 1/32: +67 MB on the 1B-shaped llama's 2.1 GB peak
+# An unload's memory is counted free only once RSS stops falling by more than this per try.
+SETTLE_BYTES = 8 << 20
+SETTLE_TRIES = 5
+RECLAIM_SECONDS = 10.0  # how long a load that does not fit waits for freed memory to come back
 
 
 def parse_duration(value: Any) -> float | None:
@@ -89,7 +110,8 @@ class Slot:
     last_used: float = 0.0
     keep_alive: float | None = None  # the last request's keep_alive (None: the server's)
     unload_at: float | None = None
-    loaded_bytes: int = 0
+    loaded_bytes: int = 0  # charged while loaded: max(estimate, measured RSS rise of its load)
+    peak_bytes: int = 0  # the RSS rise its last load reached at its peak (0: never loaded)
     tokenizer_key: str | None = None
     loads: int = 0
     load_seconds: float = 0.0
@@ -242,6 +264,22 @@ class ModelPool:
         weights, reserve = self._need_parts(entry)
         return weights + reserve
 
+    def load_need_of(self, entry: Servable) -> int:
+        """Bytes a load of `entry` must find free: its peak while loading (at least what it
+        keeps) and its KV reserve. Measured on an earlier load, estimated before the first."""
+        weights, reserve = self._need_parts(entry)
+        return self._load_peak(entry, weights) + reserve
+
+    def _load_peak(self, entry: Servable, weights: int) -> int:
+        slot = self._slots.get(entry.path.resolve())
+        if slot is not None and slot.peak_bytes:
+            return max(slot.peak_bytes + slot.peak_bytes // LOAD_PEAK_MARGIN, weights)
+        if not entry.path.exists():
+            return weights
+        files = entry.path.glob("*.safetensors") if entry.path.is_dir() else [entry.path]
+        file_bytes = sum(file.stat().st_size for file in files)
+        return weights + file_bytes // LOAD_FILE_FRACTION + self._tokenizer_bytes(entry.path)
+
     def _need_parts(self, entry: Servable) -> tuple[int, int]:
         if not entry.path.exists():
             return 0, 0  # the default, not converted yet: known once converted
@@ -270,11 +308,11 @@ class ModelPool:
             return slot, note
 
     def _fit_or_fallback(self, slot: Slot) -> tuple[Slot, str | None]:
-        need = self.need_of(slot.entry)
+        need = self.load_need_of(slot.entry)
         room = self.budget.alone_room()
         if need <= room:
             return slot, None
-        smaller = [(self.need_of(form), form) for form in self.catalog.forms_of(slot.entry)]
+        smaller = [(self.load_need_of(form), form) for form in self.catalog.forms_of(slot.entry)]
         fitting = sorted((n, form) for n, form in smaller if n <= room)
         if fitting:
             form_need, form = fitting[-1]
@@ -287,7 +325,7 @@ class ModelPool:
             return self.slot(form.name), note
         self.budget.actions["refuse_load"] += 1
         raise ApiError(400, "invalid_request",
-                       f"model {slot.name!r} needs {gib(need)} (weights and the KV cache of "
+                       f"model {slot.name!r} needs {gib(need)} (its load's peak and the KV cache of "
                        f"{self.config.engine.parallel} sequences of {self.reserve_tokens} "
                        f"tokens), more than the memory budget allows: {gib(self.budget.total)} "
                        f"(--memory-budget), of which {gib(max(0, room))} is left for models; "
@@ -296,8 +334,10 @@ class ModelPool:
 
     async def _make_room(self, slot: Slot) -> None:
         """Unload other models, least recently used first (idle ones before busy ones, whose
-        requests an unload waits for), until `slot` fits the budget and --max-models."""
-        need = self.need_of(slot.entry)
+        requests an unload waits for), until `slot` fits the budget and --max-models.
+        RSS is sampled first, so memory the accounting does not explain counts against the room."""
+        need = self.load_need_of(slot.entry)
+        await asyncio.to_thread(self._settle, 1)
         while True:
             others = [s for s in self.loaded() if s is not slot and not s.pinned]
             over_count = self.max_models is not None and len(self.loaded()) >= self.max_models
@@ -314,7 +354,17 @@ class ModelPool:
             self.budget.actions["unload_lru"] += 1
             log.info("unloading %s (least recently used) to load %s", victim.name, slot.name)
             await self._unload(victim, "lru")
+        # Everything that could go has gone and it still does not fit: memory an unload freed
+        # can come back late (a just-finished request's objects still held the model's arrays
+        # when it ran; seen once in the churn benchmark as a 2 GiB baseline). Give it a moment.
+        deadline = time.monotonic() + RECLAIM_SECONDS
+        while need > self.budget.free_for_load() and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            await asyncio.to_thread(self._settle, 1)
+            self.budget.observe()
         if need > self.budget.free_for_load():
+            log.warning("memory budget: %s needs %s; %s is free (RSS %s)", slot.name, gib(need),
+                        gib(self.budget.free_for_load()), gib(self.budget.rss))
             raise ApiError(503, "overloaded",
                            f"model {slot.name!r} needs {gib(need)}; the memory budget "
                            f"({gib(self.budget.total)}) is held by running sequences",
@@ -323,6 +373,8 @@ class ModelPool:
     async def _load(self, slot: Slot) -> None:
         slot.state = "loading"
         started = time.perf_counter()
+        weights, _ = self._need_parts(slot.entry)
+        self.budget.begin_load(slot.name, self._load_peak(slot.entry, weights))
         try:
             await asyncio.to_thread(self._load_blocking, slot)
         except ApiError:
@@ -333,18 +385,27 @@ class ModelPool:
             log.exception("loading %s failed", slot.name)
             raise ApiError(500, "server", f"loading model {slot.name!r} failed: "
                            f"{type(exc).__name__}: {exc}", code="model_load_failed") from exc
+        finally:
+            self.budget.end_load(slot.name)
         slot.load_seconds = time.perf_counter() - started
         slot.loads += 1
         slot.state = "loaded"
         self.budget.set_model(slot.name, *self._need_parts(slot.entry))
-        log.info("loaded %s in %.2f s (%s)", slot.name, slot.load_seconds, gib(slot.loaded_bytes))
+        self.budget.observe()
+        log.info("loaded %s in %.2f s (%s kept, %s at its peak)", slot.name, slot.load_seconds,
+                 gib(slot.loaded_bytes), gib(slot.peak_bytes))
 
     def load_now(self, name: str | None) -> Slot:
         """Load at start, before the event loop runs (the first --model)."""
         slot = self.slot(name)
         slot, _ = self._fit_or_fallback(slot)
         started = time.perf_counter()
-        self._load_blocking(slot)
+        self.budget.begin_load(slot.name, self._load_peak(slot.entry,
+                                                          self._need_parts(slot.entry)[0]))
+        try:
+            self._load_blocking(slot)
+        finally:
+            self.budget.end_load(slot.name)
         slot.load_seconds = time.perf_counter() - started
         slot.loads += 1
         slot.state = "loaded"
@@ -352,13 +413,17 @@ class ModelPool:
         if self.idle_unload is not None and self.idle_unload >= 0:
             slot.unload_at = slot.last_used + self.idle_unload  # unused since start
         self.budget.set_model(slot.name, *self._need_parts(slot.entry))
+        self.budget.observe()
         return slot
 
     def _load_blocking(self, slot: Slot) -> None:
         from rewind.engine import Engine
+        from rewind.memory import PeakRss, process_rss
         from rewind.models.loader import load_model
         from rewind.models.registry import resolve_model
 
+        before = process_rss()
+        peak = PeakRss()
         entry = slot.entry
         path = resolve_model(entry.name) if entry.kind == "default" else entry.path
         if path.is_file():  # a GGUF: converted once to bf16 (rewind.models.registry)
@@ -388,8 +453,14 @@ class ModelPool:
         slot.engine = engine
         slot.runtime = ModelRuntime(loaded, engine, self.config, self.metrics, cache,
                                     self.budget, kv)
-        slot.loaded_bytes = (loaded_bytes(loaded.model)
-                             + (0 if shared else self._tokenizer_bytes(path)))
+        estimate = loaded_bytes(loaded.model) + (0 if shared else self._tokenizer_bytes(path))
+        # What the OS saw: the RSS the load added (its arrays, its tokenizer, the engine's
+        # thread and set-up, kernels' copies outside MLX) and the highest it went meanwhile.
+        # Loads run one at a time; a request on another model running meanwhile can only make
+        # these larger, which errs on the safe side.
+        kept = process_rss() - before
+        slot.loaded_bytes = max(estimate, kept)
+        slot.peak_bytes = max(peak.peak() - before, slot.loaded_bytes)
 
     def adopt(self, loaded: Any, engine: Any, prompt_cache: Any = None) -> Slot:
         """Serve a model and engine the caller loaded and owns (never unloaded here)."""
@@ -433,11 +504,33 @@ class ModelPool:
                 await slot.drained.wait()
                 slot.drained.clear()
         await asyncio.to_thread(self._unload_blocking, slot)
+        await asyncio.to_thread(self._settle)
         slot.state = "unloaded"
         slot.unloads[reason] += 1
         slot.keep_alive = None
         self.budget.drop_model(slot.name)
-        log.info("unloaded %s (%s)", slot.name, reason)
+        rss = self.budget.observe()  # what was not handed back counts as baseline
+        log.info("unloaded %s (%s); RSS now %s", slot.name, reason, gib(rss))
+
+    def _settle(self, tries: int = SETTLE_TRIES) -> int:
+        """Hand freed memory back (garbage, MLX's buffer cache, glibc's free heap) until RSS stops
+        falling: the budget then sees what an unload really freed, and the next load is admitted
+        against that, not against what the accounting hopes. Returns the RSS."""
+        import mlx.core as mx
+
+        from rewind.memory import process_rss, release_free_heap
+
+        last = process_rss()
+        for _ in range(tries):
+            gc.collect()
+            mx.clear_cache()
+            release_free_heap(collect=False)
+            now = process_rss()
+            if last - now < SETTLE_BYTES:
+                return now
+            last = now
+            time.sleep(0.02)
+        return last
 
     def _unload_blocking(self, slot: Slot) -> None:
         import mlx.core as mx

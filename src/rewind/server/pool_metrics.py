@@ -47,9 +47,14 @@ class PoolGauges(Collector):
         budget = pool.budget.stats()
         parts = GaugeMetricFamily("rewind_memory_bytes",
                                   "What the memory budget counts, by part", labels=["part"])
-        for part in ("base", "models", "live_kv", "ram_tier", "committed"):
+        for part in ("base", "models", "loading", "live_kv", "ram_tier", "committed"):
             parts.add_metric([part], float(budget[f"{part}_bytes"]))
         yield parts
+        from rewind.memory import process_rss
+
+        # What the OS sees now, beside what the budget counts: the two should stay close.
+        yield GaugeMetricFamily("rewind_process_rss_bytes", "The server process's resident "
+                                "set size", value=float(process_rss()))
         yield GaugeMetricFamily("rewind_memory_budget_bytes", "--memory-budget",
                                 value=float(budget["budget_bytes"]))
         yield GaugeMetricFamily("rewind_memory_waiting_requests",

@@ -292,7 +292,10 @@ def _finish(response: dict[str, Any], output: _Output, generation: Generation) -
         return "response.failed"
     if finish is not None and finish.reason == "length":
         response["status"] = "incomplete"
-        response["incomplete_details"] = {"reason": "max_output_tokens"}
+        # The memory guard's cut is reported as the length cut it is, with its reason beside
+        # (a field the schema does not name; OpenAI's SDK keeps it in model_extra).
+        detail = {"detail": generation.cut_reason} if generation.cut_reason else {}
+        response["incomplete_details"] = {"reason": "max_output_tokens", **detail}
         return "response.incomplete"
     response["status"] = "completed"
     return "response.completed"

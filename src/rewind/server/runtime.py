@@ -196,8 +196,10 @@ class ModelRuntime:
         self.check_prompt_length(len(tokens))
         ticket = None
         if self.budget is not None and self.kv is not None:
-            ticket = await self.budget.admit(self.kv, len(tokens) + 1, self.model_id)
-            from rewind.server.leases import track_ticket
+            from rewind.server.leases import client_disconnected, track_ticket
+
+            ticket = await self.budget.admit(self.kv, len(tokens) + 1, self.model_id,
+                                             client_disconnected)
 
             track_ticket(ticket)
         try:
