@@ -8,7 +8,7 @@
    and accumulate in float32 with FMA, RB output rows against XG activation rows at a time: read
    once per decode step, and at ~220 GFLOP/s on a 512-row chunk (2 cores, AVX-512), as fast as
    OpenBLAS on float32. `layer_pre` and `layer_post` do everything of a layer except the KV-cache
-   update (MLX, rewind.engine.native_forward) and attention (attention.c), so every cache class,
+   update (MLX, rewind.kernels.native_forward) and attention (attention.c), so every cache class,
    mask and the prompt cache keep working unchanged.
 
    Threads: a small pool of its own, not OpenMP. A job is a list of blocks that threads claim
@@ -17,7 +17,7 @@
    costs nothing, where an OpenMP barrier waits a whole time slice for it at every matvec
    (measured: decode fell from 27 to 2 tokens/s with one other busy process on 2 cores).
 
-   Built at first use by rewind.engine.native with the system C compiler (AVX-512 where the CPU
+   Built at first use by rewind.kernels.native with the system C compiler (AVX-512 where the CPU
    has it, else AVX2); without a compiler Rewind keeps MLX's path. */
 #include <math.h>
 #include <pthread.h>
