@@ -229,3 +229,32 @@ def test_capacity_depends_on_the_tokens_alone() -> None:
     shape = KvShape(full_layers=1, window_layers=0, window=0, linear_layers=0, token_bytes=1,
                     state_bytes=0)
     assert [shape.bytes_for(n) for n in (1, 600, 1025, 5000)] == [256, 768, 1536, 6144]
+
+
+def _filled(n: int, seed: int) -> GrowingKVCache:
+    cache = GrowingKVCache()
+    cache.update_and_fetch(*_rows(n, seed))
+    return cache
+
+
+def test_an_unpadded_batch_asks_for_no_mask() -> None:
+    """One row, or rows of one length: no array mask (what a plain KVCache gives), so MLX's
+    fused attention (cuDNN on CUDA) can run the decode step; padded rows keep mlx-lm's mask,
+    and the answer is the same either way."""
+    alone = GrowingBatchKVCache.merge([_filled(300, 1)])
+    assert alone.make_mask(1) is None and alone.make_mask(4) == "causal"
+    assert isinstance(alone.make_mask(1, return_array=True), mx.array)
+    padded = GrowingBatchKVCache.merge([_filled(300, 1), _filled(40, 2)])
+    mask = padded.make_mask(1)
+    assert isinstance(mask, mx.array)
+    padded.extend(GrowingBatchKVCache.merge([_filled(300, 3)]))
+    padded.filter([0, 2])  # the two rows of 300: no padding left
+    assert padded.make_mask(1) is None
+    # The unmasked decode step attends exactly as the masked one.
+    query = mx.random.normal((2, 2, 1, 8), key=mx.random.key(7))
+    array_mask = padded.make_mask(1, return_array=True)  # as a model: before the update
+    keys, values = padded.update_and_fetch(query, query)
+    plain = mx.fast.scaled_dot_product_attention(query, keys, values, scale=0.3, mask=None)
+    masked = mx.fast.scaled_dot_product_attention(query, keys, values, scale=0.3,
+                                                  mask=array_mask)
+    assert mx.allclose(plain, masked, atol=1e-6)

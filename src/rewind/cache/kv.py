@@ -107,6 +107,23 @@ class GrowingBatchKVCache(BatchKVCache):
     with merge, extend, filter and extract that keep the live rows a slice from the start of a
     buffer whose capacity is a multiple of STEP."""
 
+    # Whether no row has left padding (None: not known since the rows last changed). Kept on the
+    # host so choosing the mask costs no device sync per step.
+    _unpadded: bool | None = None
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        """Without padding (one row, or rows of one length): what a plain KVCache gives, no mask
+        for a decode step and "causal" for a chunk, which MLX's fused attention takes (cuDNN on
+        CUDA refuses any array mask); mlx-lm's array mask otherwise."""
+        if not return_array and kwargs.get("window_size") is None and self._no_padding():
+            return None if N == 1 else "causal"
+        return super().make_mask(N, return_array=return_array, **kwargs)
+
+    def _no_padding(self) -> bool:
+        if self._unpadded is None:
+            self._unpadded = max(self.left_padding.tolist(), default=0) == 0
+        return self._unpadded
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev = self._idx
         needed = prev + keys.shape[2]
@@ -158,6 +175,7 @@ class GrowingBatchKVCache(BatchKVCache):
         longer one); a buffer from a cache that is not one of these is refitted to STEP."""
         super().extend(other)
         self.keys, self.values = _fitted(self.keys, self._idx), _fitted(self.values, self._idx)
+        self._unpadded = None
 
     def filter(self, batch_indices: Sequence[int] | mx.array) -> None:
         """Keep the given rows; drop the left padding every kept row shares. mlx-lm's filter
@@ -176,6 +194,7 @@ class GrowingBatchKVCache(BatchKVCache):
                 self.values = repack(self.values, shift, self._idx, capacity)
             self._idx -= shift
             self.left_padding -= shift
+        self._unpadded = None
 
     def extract(self, idx: int) -> GrowingKVCache:
         """Row `idx` alone, without its padding, as a batch-1 cache (the ladder's capacity)."""
