@@ -251,7 +251,9 @@ class NativeForward:
         family = _family(backbone)
         self.form = form
         self._kernels = kernels
-        self._backbone = backbone
+        # The embedding module, not the backbone: the backend's table maps the backbone to this
+        # object, and a reference back would keep every unloaded model alive.
+        self._embed = backbone.embed_tokens
         threads = threads or native.kernel_threads()
         self.layers = [_NativeLayer(block, family, form, threads) for block in backbone.layers]
         self.hidden_size = self.layers[0].hidden
@@ -300,7 +302,7 @@ class NativeForward:
             h = input_embeddings
         else:
             # Looked up in the stored dtype and widened: exact, as the float32 path's table.
-            h = self._backbone.embed_tokens(inputs).astype(mx.float32)
+            h = self._embed(inputs).astype(mx.float32)
         if self.embed_scale is not None:
             h = h * self.embed_scale.astype(h.dtype)
         return h.astype(mx.float32)
