@@ -53,6 +53,26 @@ def _fitted(array: mx.array | None, live: int) -> mx.array | None:
     return repack(array, 0, live, capacity_for(live))
 
 
+
+def _append(cache: Any, held: int, keys: mx.array, values: mx.array,
+            bound: int | None = None) -> int:
+    """Write keys/values [B, H, L, D] after the `held` rows of cache.keys/values, growing the
+    buffers up the capacity ladder (one copy per rung, not per 256 tokens); returns the rows
+    held after."""
+    needed = held + keys.shape[2]
+    if cache.keys is None or needed > cache.keys.shape[2]:
+        capacity = next_capacity(needed, bound)
+        if cache.keys is None:
+            batch, heads = keys.shape[:2]
+            cache.keys = mx.zeros((batch, heads, capacity, keys.shape[3]), keys.dtype)
+            cache.values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
+        else:
+            cache.keys = repack(cache.keys, 0, held, capacity)
+            cache.values = repack(cache.values, 0, held, capacity)
+    cache.keys[..., held:needed, :] = keys
+    cache.values[..., held:needed, :] = values
+    return needed
+
 class GrowingKVCache(KVCache):
     """mlx-lm's KVCache whose buffer grows along the capacity ladder (see the module's
     docstring)."""
@@ -67,20 +87,7 @@ class GrowingKVCache(KVCache):
         self.bound = bound
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        prev = self.offset
-        needed = prev + keys.shape[2]
-        if self.keys is None or needed > self.keys.shape[2]:
-            capacity = next_capacity(needed, self.bound)
-            if self.keys is None:
-                batch, heads = keys.shape[:2]
-                self.keys = mx.zeros((batch, heads, capacity, keys.shape[3]), keys.dtype)
-                self.values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
-            else:
-                self.keys = repack(self.keys, 0, prev, capacity)
-                self.values = repack(self.values, 0, prev, capacity)
-        self.keys[..., prev:needed, :] = keys
-        self.values[..., prev:needed, :] = values
-        self.offset = needed
+        self.offset = _append(self, self.offset, keys, values, self.bound)
         return self.keys_and_values()
 
     @property
@@ -125,21 +132,8 @@ class GrowingBatchKVCache(BatchKVCache):
         return self._unpadded
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        prev = self._idx
-        needed = prev + keys.shape[2]
-        if self.keys is None or needed > self.keys.shape[2]:
-            capacity = next_capacity(needed)
-            if self.keys is None:
-                batch, heads = keys.shape[:2]
-                self.keys = mx.zeros((batch, heads, capacity, keys.shape[3]), keys.dtype)
-                self.values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
-            else:
-                self.keys = repack(self.keys, 0, prev, capacity)
-                self.values = repack(self.values, 0, prev, capacity)
         self.offset = self.offset + keys.shape[2]
-        self._idx = needed
-        self.keys[..., prev:needed, :] = keys
-        self.values[..., prev:needed, :] = values
+        self._idx = _append(self, self._idx, keys, values)
         return self.keys_and_values()
 
     @classmethod
