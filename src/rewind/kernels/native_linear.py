@@ -13,7 +13,6 @@ order. Everything else in the model (norms, convolutions, embeddings, caches) st
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import mlx.core as mx
