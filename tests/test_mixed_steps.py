@@ -59,15 +59,20 @@ def any_loaded(request: pytest.FixtureRequest, tiny_loaded):
     return tiny_loaded(request.param)
 
 
-def test_a_long_prompt_arriving_mid_stream_does_not_stall_the_running_row(tiny_loaded):
-    """Count the prompt tokens computed between two tokens of a running row (work, not time):
-    never more than the mixed-step budget, while a prompt of many budgets is prefilled."""
+@pytest.mark.parametrize("budget", [18, 5])
+def test_a_long_prompt_arriving_mid_stream_does_not_stall_the_running_row(tiny_loaded, budget):
+    """Count the prefill work done between two tokens of a running row (work, not time: prompt
+    tokens x layers passed, over the layer count): never more than the mixed-step budget, while
+    a prompt of many budgets is prefilled. A budget below one chunk (5 tokens against 16-token
+    chunks) spreads each chunk's layers over several steps."""
     loaded = tiny_loaded("llama")
-    config = EngineConfig(parallel=2, chunk_tokens=16, mixed_prefill_tokens=18)
+    config = EngineConfig(parallel=2, chunk_tokens=16, mixed_prefill_tokens=budget)
     with Engine(loaded, config) as engine:
-        between: list[int] = []  # prompt tokens prefilled at each token of a decoding row
+        layers = engine.stats()["layers_per_chunk"]
+        assert layers == 4  # the CPU kernels run the tiny llama: calls can stop between layers
+        between: list[int] = []  # prefill token-layers done at each token of a decoding row
         engine.add_sample_listener(
-            lambda name, _: between.append(engine.stats()["prefilled_tokens"])
+            lambda name, _: between.append(engine.stats()["prefill_token_layers"])
             if name == "itl_seconds" else None)
         short = loaded.tokenizer.encode(SHORT_TEXT)
         streaming = engine.submit(GenerationRequest(short, params(engine, 400)))
@@ -80,13 +85,15 @@ def test_a_long_prompt_arriving_mid_stream_does_not_stall_the_running_row(tiny_l
         arrived = arriving.collect(TIMEOUT)
         streaming.cancel()
         list(events)
+        partial_calls = engine.stats()["partial_chunk_calls"]
     assert arrived.finish.usage.completion_tokens == 2
-    steps = [b - a for a, b in zip(between, between[1:])]
+    work = [(b - a) / layers for a, b in zip(between, between[1:])]
     # The long prompt really was prefilled while the row streamed, in many steps...
-    assert sum(steps) >= len(long_prompt) - 1
-    assert sum(1 for s in steps if s > 0) >= len(long_prompt) // 18
-    # ...and never more than the budget (18 tokens less the decoding row) between two tokens.
-    assert max(steps) <= 17
+    assert sum(work) >= len(long_prompt) - 1
+    assert sum(1 for w in work if w > 0) >= len(long_prompt) // budget
+    # ...and never more than the budget (less the decoding row) between two tokens.
+    assert max(work) <= budget - 1
+    assert (partial_calls > 0) == (budget - 1 < 16)
 
 
 def _run(engine: Engine, prompt: list[int], max_tokens: int):
@@ -110,14 +117,15 @@ def _assert_same(a, b) -> None:
         assert [v for _, v in row_a] == pytest.approx([v for _, v in row_b], abs=1e-4)
 
 
-def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path):
+@pytest.mark.parametrize("budget", [40, 9], ids=["whole-chunks", "layer-slices"])
+def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path, budget):
     """One request alone; the same while another streams (its chunks share the other's steps,
-    then it decodes in a batch of two); and again from the prompt cache, mixed: same tokens,
-    same log-probabilities."""
+    whole or, with a budget below one chunk, a few layers a step, then it decodes in a batch of
+    two); and again from the prompt cache, mixed: same tokens, same log-probabilities."""
     loaded = any_loaded
     prompt = loaded.tokenizer.encode(LONG_TEXT)
     other = loaded.tokenizer.encode(SHORT_TEXT)
-    config = EngineConfig(parallel=3, chunk_tokens=32, mixed_prefill_tokens=40)
+    config = EngineConfig(parallel=3, chunk_tokens=32, mixed_prefill_tokens=budget)
     with Engine(loaded, config) as engine:
         alone = _run(engine, prompt, 12)
 
@@ -135,6 +143,11 @@ def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path):
                 _assert_same(alone, mixed)
                 cached = mixed[3].cached_tokens
                 assert (cached == 0) if attempt == "uncached" else (cached >= 256)
+            stats = engine.stats()
+            # Where calls can stop between layers (the CPU kernels) and the budget is below a
+            # chunk, they did.
+            sliced = stats["layers_per_chunk"] > 1 and budget < 32
+            assert (stats["partial_chunk_calls"] > 0) == sliced
     finally:
         prompt_cache.close()
 

@@ -92,6 +92,12 @@ def default_chunk_tokens() -> int:
     return CPU_CHUNK_TOKENS if mx.default_device() == mx.cpu else GPU_CHUNK_TOKENS
 
 
+# Prompt tokens' worth of work per step next to decoding rows where a chunk's layers can be
+# spread over steps (the CPU kernels). On 2 cores a decode step of the default model costs about
+# as much as 16 prompt tokens, so a mixed step takes about twice an idle one.
+SLICED_PREFILL_TOKENS = 16
+
+
 @dataclass
 class EngineConfig:
     parallel: int = 4
@@ -99,8 +105,9 @@ class EngineConfig:
     # Prompt tokens per step when no sequence is decoding (several chunks, one call each).
     prefill_chunk: int = 512
     # Tokens per step while sequences decode: the decoding rows plus prompt chunks up to this
-    # budget (at least one chunk, so prompts never starve behind a full batch).
-    mixed_prefill_tokens: int | None = None  # None: the chunk size plus `parallel`
+    # budget (at least one chunk, or one layer of one where a chunk's layers can be spread over
+    # steps, so prompts never starve behind a full batch). None: by backend (below).
+    mixed_prefill_tokens: int | None = None
     chunk_tokens: int | None = None  # the prefill call grid; None: by backend (above)
     # Queue each decode step before reading the previous one's tokens, so the host's work
     # (sampling, detokenizing, streaming) overlaps the device's. None: on GPUs only (the CPU
@@ -139,9 +146,13 @@ class EngineConfig:
 
         return mx.default_device() != mx.cpu
 
-    def resolved_mixed_prefill_tokens(self) -> int:
+    def resolved_mixed_prefill_tokens(self, sliced: bool = False) -> int:
+        """The budget; by default one chunk plus the decoding rows, or, where a chunk's layers
+        can be spread over steps (`sliced`: the CPU kernels), SLICED_PREFILL_TOKENS plus them."""
         if self.mixed_prefill_tokens is not None:
             return self.mixed_prefill_tokens
+        if sliced:
+            return SLICED_PREFILL_TOKENS + self.parallel
         chunk = self.chunk_tokens if self.chunk_tokens is not None else default_chunk_tokens()
         return chunk + self.parallel
 

@@ -46,6 +46,11 @@ class Segment:
     embeds: mx.array | None = None  # input embeddings [B, L, H] (image prompts)
     positions: mx.array | None = None  # explicit rotary positions [3, B, L] (Qwen-VL)
     residuals: Any = None  # per-layer residual inputs (Qwen3-VL's deepstack features)
+    # Layer slicing (runners whose `layer_count` is not None): run only the layers before
+    # `stop`; the rows still in flight are left in `carry`, which a later call continues from
+    # (its `tokens` then unused). After a call `carry` is None once the segment passed them all.
+    stop: int | None = None
+    carry: Any = None
 
     @property
     def plain(self) -> bool:
@@ -93,6 +98,11 @@ class ModelRunner:
         self.kernels = kernels if kernels is not None else kernels_for(model)
         self.max_kv_size = max_kv_size
         self.chunk_tokens = chunk_tokens or default_chunk_tokens()
+        # How many layers a segment's calls can be split between (`Segment.stop`), on a backend
+        # that keeps rows in flight between calls (the CPU kernels); None elsewhere.
+        self.layer_count: int | None = (
+            len(self.kernels.forward.layers)
+            if self.kernels.fuses_segments and split_model(model) is not None else None)
 
     # ---- caches -----------------------------------------------------------------------------
 
@@ -159,24 +169,41 @@ class ModelRunner:
         if not segments:
             return []
         split = split_model(self.model)
-        fused = None
-        if split is not None and len(segments) > 1 and all(s.plain for s in segments):
-            fused = self._native_segments(split, segments)
-        if fused is not None:
-            hidden = fused
-        else:
-            hidden = [self._one(split, segment) for segment in segments]
+        # The plain segments share one pass through the CPU kernels; the others (per-call model
+        # state) run alone, with the same answers.
+        native = [i for i, s in enumerate(segments) if s.plain] if self.layer_count else []
+        hidden: list[mx.array | None] = [None] * len(segments)
+        if native:
+            for i, h in zip(native, self._native_segments([segments[i] for i in native])):
+                hidden[i] = h
+        for i, segment in enumerate(segments):
+            if i in native:
+                continue
+            if segment.stop is not None or segment.carry is not None:
+                raise ValueError("this backend runs a segment through all layers in one call")
+            hidden[i] = self._one(split, segment)
         logits = self._heads(split, segments, hidden)
         if evaluate:
             mx.eval([a for a in logits if a is not None],
                     [[layer.state for layer in s.cache] for s in segments])
         return logits
 
-    def _native_segments(self, split: Any, segments: list[Segment]) -> list[mx.array] | None:
-        if not self.kernels.fuses_segments:
-            return None
-        return self.kernels.forward.forward_segments(
-            [(s.tokens, s.cache, s.embeds) for s in segments])
+    def _native_segments(self, segments: list[Segment]) -> list[mx.array | None]:
+        """Every segment through the CPU kernels in one pass (each weight read once for all of
+        their rows), each up to its `stop` layer: hidden states of those that passed every layer,
+        None (and their rows in `carry`) for the others."""
+        forward = self.kernels.forward
+        total = len(forward.layers)
+        blocks = [s.carry if s.carry is not None else forward.begin(s.tokens, s.cache, s.embeds)
+                  for s in segments]
+        forward.advance([(block, total if s.stop is None else min(s.stop, total))
+                         for block, s in zip(blocks, segments)])
+        hidden: list[mx.array | None] = []
+        for block, segment in zip(blocks, segments):
+            done = block.done == total
+            segment.carry = None if done else block
+            hidden.append(forward.finish(block) if done else None)
+        return hidden
 
     def _one(self, split: Any, segment: Segment) -> mx.array:
         """Hidden states [B, L, H] of one segment (the full model's logits [B, L, vocab] for a
@@ -189,9 +216,10 @@ class ModelRunner:
             return split.backbone(segment.tokens, cache=segment.cache, **kwargs)
 
     def _heads(self, split: Any, segments: list[Segment],
-               hidden: list[mx.array]) -> list[mx.array | None]:
-        """Last-position logits of the segments that want them, through one head call."""
-        wanted = [i for i, s in enumerate(segments) if s.logits]
+               hidden: list[mx.array | None]) -> list[mx.array | None]:
+        """Last-position logits of the segments that want them (and passed every layer),
+        through one head call."""
+        wanted = [i for i, s in enumerate(segments) if s.logits and hidden[i] is not None]
         out: list[mx.array | None] = [None] * len(segments)
         if not wanted:
             return out

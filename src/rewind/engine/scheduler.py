@@ -68,6 +68,10 @@ class Sequence:
     admitted: threading.Event = field(default_factory=threading.Event)
     cache: list[Any] | None = None  # its own batch-1 cache while prefilling
     prefilled: int = 0  # prompt tokens held by `cache`
+    # A chunk part-way through the layers (runner.layer_count): its end and its rows in flight.
+    # `cache` then holds the chunk in the layers it passed; `prefilled` counts it once all did.
+    partial_end: int = 0
+    partial: Any = None
     checkpoint_at: set[int] = field(default_factory=set)  # extra checkpoint positions
     generated: list[int] = field(default_factory=list)
     next_input: int = -1  # last sampled token, the input of its next decode step
@@ -90,6 +94,10 @@ class Counters:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     steps: int = 0  # engine steps that ran the model
     pipelined_steps: int = 0  # of which decode steps queued before the previous was read
+    # Prefill work in prompt tokens x layers passed (x the layer count where calls stop between
+    # layers; one "layer" a call elsewhere), and the chunk calls that stopped between layers.
+    prefill_token_layers: int = 0
+    partial_chunk_calls: int = 0
 
 
 @dataclass
@@ -99,6 +107,8 @@ class Chunk:
     seq: Sequence
     start: int
     end: int
+    stop: int | None = None  # run only the layers before this one (None: all)
+    first: int = 0  # the layer it starts at (a chunk in flight goes on where it stopped)
 
 
 class Scheduler:
@@ -112,7 +122,10 @@ class Scheduler:
         # end on a finer grid that divides it.
         self.block_tokens: int = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
         self.chunk_tokens = check_chunk_tokens(runner.chunk_tokens, self.block_tokens)
-        self.mixed_prefill_tokens = config.resolved_mixed_prefill_tokens()
+        # Layers a chunk can be spread over, steps apart (the CPU kernels); None: whole chunks.
+        self.layer_count = runner.layer_count
+        self.mixed_prefill_tokens = config.resolved_mixed_prefill_tokens(
+            sliced=self.layer_count is not None)
         self.pipeline = config.resolved_pipeline_decode() and not takes_positions(self.model)
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
         self.eos_token_ids = eos_token_ids
@@ -232,7 +245,7 @@ class Scheduler:
                 self.waiting.remove(seq)
         for seq in [s for s in self.prefilling if s.cancelled.is_set()]:
             self.prefilling.remove(seq)
-            seq.cache = None
+            seq.cache, seq.partial = None, None
             gone.append(seq)
         leaving = [i for i, s in enumerate(self.decoding) if s.cancelled.is_set()]
         gone += [self.decoding[i] for i in leaving]
@@ -301,6 +314,8 @@ class Scheduler:
         over the waiting prompts, oldest first. At least one chunk per step, so a full decode
         batch cannot starve a waiting prompt."""
         budget = self._prefill_budget()
+        if self.decoding and self.layer_count is not None:
+            return [self._plan_slices(budget)]
         pending = {id(seq): chunk_ends(seq.prefilled, len(seq.prompt), self.chunk_tokens,
                                        seq.checkpoint_at) for seq in self.prefilling}
         starts = {id(seq): seq.prefilled for seq in self.prefilling}
@@ -314,7 +329,8 @@ class Scheduler:
                 start, end = starts[id(seq)], ends[depth]
                 if end - start > budget and (rounds or chunks):
                     break
-                chunks.append(Chunk(seq, start, end))
+                first = seq.partial.done if seq.partial is not None and depth == 0 else 0
+                chunks.append(Chunk(seq, start, end, first=first))
                 budget -= end - start
                 starts[id(seq)] = end
             else:
@@ -325,6 +341,46 @@ class Scheduler:
             break
         return rounds
 
+    def _plan_slices(self, budget: int) -> list[Chunk]:
+        """This step's prefill work next to the decoding rows, where a chunk's layers can be
+        spread over steps: `budget` prompt tokens' worth of token-layers (a 64-token chunk on
+        18 layers takes 4 steps for a budget of 16), oldest prompt first, at least one layer of
+        one chunk. Each sequence goes on with its chunk in flight or starts its next one; the
+        chunk grid, and so the answer, is the same as whole chunks'."""
+        total_layers = self.layer_count or 1
+        left = budget * total_layers
+        chunks: list[Chunk] = []
+        for seq in self.prefilling:
+            if seq.partial is not None:
+                start, end, done = seq.prefilled, seq.partial_end, seq.partial.done
+            else:
+                start, done = seq.prefilled, 0
+                end = chunk_ends(start, len(seq.prompt), self.chunk_tokens, seq.checkpoint_at)[0]
+            sliceable = self._sliceable(seq)
+            tokens = end - start
+            if not sliceable:
+                layers = total_layers - done
+                if tokens * layers > left and chunks:
+                    break
+            else:
+                layers = min(total_layers - done, left // tokens)
+                if layers < 1:
+                    if chunks:
+                        break
+                    layers = 1
+            chunks.append(Chunk(seq, start, end, stop=done + layers if sliceable else None,
+                                first=done))
+            left -= tokens * layers
+            if left <= 0:
+                break
+        return chunks
+
+    @staticmethod
+    def _sliceable(seq: Sequence) -> bool:
+        """Whether its calls can stop between layers: no per-call model state (rotary positions,
+        per-layer residuals) to carry over."""
+        return seq.request.positions is None and seq.request.layer_residuals is None
+
     def _chunk_segment(self, chunk: Chunk) -> Segment:
         seq, start, end = chunk.seq, chunk.start, chunk.end
         request = seq.request
@@ -332,6 +388,10 @@ class Scheduler:
         # model reads more than embeddings from them (Gemma 4's per-layer inputs: image tokens
         # as 0). Cache keys and checkpoints keep seq.prompt.
         ids = seq.prompt if request.model_tokens is None else request.model_tokens
+        if seq.partial is not None:  # its rows are in flight: no new inputs
+            return Segment(tokens=mx.array([[0]]), cache=seq.cache or [],
+                           logits=chunk.end == len(seq.prompt), stop=chunk.stop,
+                           carry=seq.partial)
         return Segment(
             tokens=mx.array([ids[start:end]]),
             cache=seq.cache or [],
@@ -343,6 +403,7 @@ class Scheduler:
             positions=None if request.positions is None else request.positions(start, end),
             residuals=(None if request.layer_residuals is None
                        else request.layer_residuals(start, end)),
+            stop=chunk.stop,
         )
 
     def _run_round(self, chunks: list[Chunk], with_decode: bool) -> None:
@@ -357,11 +418,11 @@ class Scheduler:
             except Exception as exc:
                 self._fail_decoding(exc)
                 with_decode = False
-        taken: list[Chunk] = []
+        taken: list[tuple[Chunk, Segment]] = []
         for chunk in chunks:
             try:  # a request's own inputs (image features) failing ends that request only
                 segments.append(self._chunk_segment(chunk))
-                taken.append(chunk)
+                taken.append((chunk, segments[-1]))
             except Exception as exc:
                 self._fail_prefill(chunk.seq, exc)
         if not segments:
@@ -374,20 +435,27 @@ class Scheduler:
             log.exception("forward pass failed")
             if with_decode:
                 self._fail_decoding(exc)
-            for chunk in taken:
+            for chunk, _ in taken:
                 self._fail_prefill(chunk.seq, exc)
             return
         if with_decode:
             self._after_decode(logits[0])
             logits = logits[1:]
-        for chunk, chunk_logits in zip(taken, logits):
+        for (chunk, segment), chunk_logits in zip(taken, logits):
+            done = (self.layer_count or 1) if segment.carry is None else segment.carry.done
+            self.counters.prefill_token_layers += (chunk.end - chunk.start) * (done - chunk.first)
+            if segment.carry is not None:  # layers left: it goes on in a later step
+                self.counters.partial_chunk_calls += 1
+                chunk.seq.partial, chunk.seq.partial_end = segment.carry, chunk.end
+                continue
+            chunk.seq.partial = None
             self._after_chunk(chunk, chunk_logits)
 
     def _fail_prefill(self, seq: Sequence, exc: Exception) -> None:
         log.error("prefill of %s failed: %s: %s", seq.request.request_id, type(exc).__name__, exc)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
-            seq.cache = None
+            seq.cache, seq.partial = None, None
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
     def _after_chunk(self, chunk: Chunk, logits: mx.array | None) -> None:

@@ -242,6 +242,34 @@ def _offsets(cache: list[Any] | None, batch: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(value, (batch,)))
 
 
+@dataclass
+class RowsInFlight:
+    """A block of token rows part-way through the layers: a prompt chunk whose layers are spread
+    over several engine steps, so each step stays short next to the decoding rows."""
+
+    cache: list[Any] | None
+    batch: int
+    length: int
+    x: np.ndarray  # [batch * length, hidden] float32: the rows after `done` layers
+    masks: dict[bool, Any]  # full-attention and sliding-window masks, as of the block's start
+    positions: np.ndarray  # [batch * length] int64 rotary positions
+    done: int = 0  # layers passed
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.length
+
+
+def _scatter(x: np.ndarray, blocks: list[RowsInFlight]) -> None:
+    """Copy the rows of several blocks, computed together in `x`, back into each block."""
+    if len(blocks) == 1 and blocks[0].x is x:
+        return
+    first = 0
+    for block in blocks:
+        block.x[...] = x[first:first + block.rows]
+        first += block.rows
+
+
 class NativeForward:
     """forward(inputs [B, L], cache, input_embeddings) -> the backbone's output [B, L, hidden]
     (final norm applied), float32, with `cache` advanced exactly as the MLX path would."""
@@ -317,44 +345,78 @@ class NativeForward:
         every matrix product (each weight is read once for all of them; each row's result is
         the same as alone, as the kernels compute every row on its own), and each block attends
         over its own cache. Returns each block's output [B, L, hidden]."""
-        hs = [self._embeddings(inputs, embeds) for inputs, _, embeds in segments]
-        shapes = [(int(h.shape[0]), int(h.shape[1])) for h in hs]
-        counts = [batch * length for batch, length in shapes]
-        rows = sum(counts)
-        # A fresh, writable copy of every block's rows, one after another.
-        x = np.concatenate([np.array(h.reshape(count, self.hidden_size))
-                            for h, count in zip(hs, counts)]) if len(hs) > 1 else \
-            np.array(hs[0].reshape(rows, self.hidden_size))
-        qkv, scratch, attended = self._buffers(rows)
-        masks = [self._masks(batch, length, cache)
-                 for (batch, length), (_, cache, _) in zip(shapes, segments)]
-        positions = np.ascontiguousarray(np.concatenate([
-            (_offsets(cache, batch)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1)
-            for (batch, length), (_, cache, _) in zip(shapes, segments)]))
-        bounds = np.cumsum([0, *counts])
+        blocks = [self.begin(inputs, cache, embeds) for inputs, cache, embeds in segments]
+        self.advance([(block, len(self.layers)) for block in blocks])
+        return [self.finish(block) for block in blocks]
+
+    def begin(self, inputs: mx.array, cache: list[Any] | None,
+              input_embeddings: mx.array | None = None) -> "RowsInFlight":
+        """A block of token rows before the first layer: its input embeddings, and the masks and
+        positions of its cache as it is now (later layers' caches still hold only what came
+        before the block, whatever layers it has passed)."""
+        h = self._embeddings(inputs, input_embeddings)
+        batch, length = int(h.shape[0]), int(h.shape[1])
+        # A fresh, writable copy of the rows: the layers add into it in place.
+        x = np.array(h.reshape(batch * length, self.hidden_size))
+        positions = np.ascontiguousarray(
+            (_offsets(cache, batch)[:, None] + np.arange(length, dtype=np.int64)).reshape(-1))
+        return RowsInFlight(cache, batch, length, x, self._masks(batch, length, cache),
+                            positions)
+
+    def advance(self, blocks: list[tuple["RowsInFlight", int]]) -> None:
+        """Run each block on through its layers up to (not including) its stop layer. Where
+        blocks pass the same layer they share its matrix products; a block's results do not
+        depend on which others ran beside it, nor on where its layers were split into calls."""
+        if not blocks:
+            return
         k = self._kernels
-        for index, layer in enumerate(self.layers):
+        first_layer = min(block.done for block, _ in blocks)
+        last_layer = max(stop for _, stop in blocks)
+        members: list[RowsInFlight] = []  # the blocks whose rows `x` holds, in order
+        x = np.empty((0, self.hidden_size), np.float32)
+        for index in range(first_layer, last_layer):
+            active = [block for block, stop in blocks if block.done <= index < stop]
+            if not active:
+                continue
+            if active != members:
+                _scatter(x, members)
+                members = active
+                x = (active[0].x if len(active) == 1
+                     else np.concatenate([block.x for block in active]))
+            layer = self.layers[index]
+            rows = x.shape[0]
+            qkv, scratch, attended = self._buffers(rows)
+            positions = (members[0].positions if len(members) == 1
+                         else np.concatenate([block.positions for block in members]))
             status = k.layer_pre(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
                                  x.ctypes.data, rows, positions.ctypes.data,
                                  layer.inv_freq.ctypes.data, qkv.ctypes.data, scratch.ctypes.data)
             if status:
                 raise RuntimeError(f"layer_pre failed with status {status}")
-            for block, ((batch, length), (_, cache, _)) in enumerate(zip(shapes, segments)):
-                first, last = bounds[block], bounds[block + 1]
-                self._attention(layer, cache[index] if cache else None,
-                                masks[block][layer.sliding], qkv[first:last],
-                                attended[first:last], batch, length)
+            first = 0
+            for block in members:
+                last = first + block.rows
+                self._attention(layer, block.cache[index] if block.cache else None,
+                                block.masks[layer.sliding], qkv[first:last],
+                                attended[first:last], block.batch, block.length)
+                first = last
             status = k.layer_post(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
                                   x.ctypes.data, rows, attended.ctypes.data,
                                   scratch.ctypes.data)
             if status:
                 raise RuntimeError(f"layer_post failed with status {status}")
-        normed = np.empty_like(x)
-        k.rows_rms_norm(x.ctypes.data, self.norm.ctypes.data, self.eps, rows, self.hidden_size,
-                        normed.ctypes.data)
-        out = mx.array(normed)
-        return [out[bounds[i]:bounds[i + 1]].reshape(batch, length, self.hidden_size)
-                for i, (batch, length) in enumerate(shapes)]
+            for block in members:
+                block.done = index + 1
+        _scatter(x, members)
+
+    def finish(self, block: "RowsInFlight") -> mx.array:
+        """The block's output [B, L, hidden] (final norm applied), once it passed every layer."""
+        if block.done != len(self.layers):
+            raise ValueError(f"the block passed {block.done} of {len(self.layers)} layers")
+        normed = np.empty_like(block.x)
+        self._kernels.rows_rms_norm(block.x.ctypes.data, self.norm.ctypes.data, self.eps,
+                                    block.rows, self.hidden_size, normed.ctypes.data)
+        return mx.array(normed).reshape(block.batch, block.length, self.hidden_size)
 
     @staticmethod
     def _attention(layer: _NativeLayer, layer_cache: Any, mask: Any, qkv: np.ndarray,
