@@ -3,9 +3,13 @@
 Runs on the engine thread only (the one thread that touches the model and every live cache).
 Each step runs every decoding row plus prompt chunks of waiting sequences, up to a token budget
 (`EngineConfig.mixed_prefill_tokens` while rows decode, `prefill_chunk` when none does), as vLLM
-and SGLang schedule: a long prompt arriving mid-stream delays the running rows by one chunk's
-worth of work per token, not by its whole prefill. The runner (rewind.engine.runner) runs a step,
-in one forward pass where the backend allows it, and never decides.
+and SGLang schedule: a long prompt arriving mid-stream delays the running rows by one budget's
+worth of work per token, not by its whole prefill. Where the runner can stop a call between
+layers (the CPU kernels: `runner.layer_count`), the budget counts prompt tokens x layers, so a
+chunk's layers are spread over several steps and a budget smaller than one chunk holds; the
+calls still cover the same chunks, so the answer does not change. The runner
+(rewind.engine.runner) runs a step, in one forward pass where the backend allows it, and never
+decides.
 
 A sequence prefills on its own batch-1 cache (restored from the prompt cache when there is one),
 in calls cut on the one chunk grid (`runner.chunk_ends`), checkpointing at block boundaries; it
@@ -137,6 +141,7 @@ class Scheduler:
         self.decoding: list[Sequence] = []  # row i of the batch cache is decoding[i]
         self.batch_cache: list[Any] | None = None
         self._typical_request_seconds = 0.0  # moving average over finished requests
+        self._restored_now = False  # this step restored a prefix from the prompt cache
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -170,7 +175,9 @@ class Scheduler:
                 self._pipelined_step()
                 return True
             self._flush()
+        started = time.perf_counter()
         self._drop_cancelled()
+        self._restored_now = False
         self._admit()
         if not self.prefilling and not self.decoding:
             return False
@@ -178,10 +185,20 @@ class Scheduler:
             self._pipelined_step()
             return True
         self.counters.steps += 1
+        admitted = time.perf_counter()
+        rows = len(self.decoding)
         rounds = self._plan_prefill()
         self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
         for chunks in rounds[1:]:
             self._run_round(chunks, with_decode=False)
+        if log.isEnabledFor(logging.DEBUG):
+            # Where a stream's time between tokens goes (`rewind serve --log-level debug`).
+            work = ", ".join(f"{c.end - c.start}x{(c.stop or self.layer_count or 1) - c.first}"
+                             for chunks in rounds for c in chunks)
+            now = time.perf_counter()
+            log.debug("step %d: %d decoding, prefill [%s] (tokens x layers), %.1f ms "
+                      "(admission %.1f ms)", self.counters.steps, rows, work,
+                      (now - started) * 1e3, (admitted - started) * 1e3)
         return True
 
     def abort_all(self, reason: FinishReason, error: str | None) -> None:
@@ -284,6 +301,7 @@ class Scheduler:
             except Exception:  # the cache is an optimisation: a fault costs recomputation only
                 log.exception("prompt-cache restore failed; computing the whole prompt")
         if restored is not None:
+            self._restored_now = self._restored_now or restored.tokens > 0
             seq.cache, seq.prefilled = restored.cache, restored.tokens
             usage.cached_tokens = restored.tokens
             usage.cached_ram_tokens = restored.ram_tokens
@@ -315,6 +333,10 @@ class Scheduler:
         batch cannot starve a waiting prompt."""
         budget = self._prefill_budget()
         if self.decoding and self.layer_count is not None:
+            if self._restored_now:
+                # The restore (copying a long prefix into live caches) was this step's share
+                # of work beside the decoding rows; prefill goes on next step.
+                return []
             return [self._plan_slices(budget)]
         pending = {id(seq): chunk_ends(seq.prefilled, len(seq.prompt), self.chunk_tokens,
                                        seq.checkpoint_at) for seq in self.prefilling}
@@ -346,7 +368,9 @@ class Scheduler:
         spread over steps: `budget` prompt tokens' worth of token-layers (a 64-token chunk on
         18 layers takes 4 steps for a budget of 16), oldest prompt first, at least one layer of
         one chunk. Each sequence goes on with its chunk in flight or starts its next one; the
-        chunk grid, and so the answer, is the same as whole chunks'."""
+        chunk grid, and so the answer, is the same as whole chunks'. A prompt's last call goes
+        alone: its sequence then joins the decode batch, which copies the batch's caches (tens of
+        milliseconds at 10k tokens), that step's other work."""
         total_layers = self.layer_count or 1
         left = budget * total_layers
         chunks: list[Chunk] = []
@@ -358,6 +382,9 @@ class Scheduler:
                 end = chunk_ends(start, len(seq.prompt), self.chunk_tokens, seq.checkpoint_at)[0]
             sliceable = self._sliceable(seq)
             tokens = end - start
+            joins = end == len(seq.prompt)
+            if joins and chunks:
+                break
             if not sliceable:
                 layers = total_layers - done
                 if tokens * layers > left and chunks:
@@ -371,7 +398,7 @@ class Scheduler:
             chunks.append(Chunk(seq, start, end, stop=done + layers if sliceable else None,
                                 first=done))
             left -= tokens * layers
-            if left <= 0:
+            if left <= 0 or joins:
                 break
         return chunks
 
