@@ -576,7 +576,8 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
             mx.clear_cache()
         entry["engine_stats"] = {k: v for k, v in engine.stats().items()
                                  if k in ("generated_tokens", "prefilled_tokens",
-                                          "cached_tokens", "mlx_peak_bytes")}
+                                          "cached_tokens", "mlx_peak_bytes", "steps",
+                                          "pipelined_steps")}
     finally:
         engine.shutdown()
     folder = loaded.path
