@@ -400,8 +400,10 @@ def start_server(folder: Path, parallel: int, log_dir: Path) -> Any:
     port = free_port()
     argv = [sys.executable, "-m", "rewind", "serve", "--model", str(folder), "--host", LOOPBACK,
             "--port", str(port), "--parallel", str(parallel), "--log-level", "warning"]
+    # Requests name the folder as served: `default` (and /v1/models' first entry) is the
+    # built-in default model, not this one.
     server = ServerProcess("rewind", argv, port, log_dir / f"rewind-serve-{port}.log",
-                           ready_paths=("/health",))
+                           ready_paths=("/health",), model_id=str(folder))
     server.start()
     server.wait_ready(timeout=600)
     return server
@@ -574,7 +576,8 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
             mx.clear_cache()
         entry["engine_stats"] = {k: v for k, v in engine.stats().items()
                                  if k in ("generated_tokens", "prefilled_tokens",
-                                          "cached_tokens", "mlx_peak_bytes")}
+                                          "cached_tokens", "mlx_peak_bytes", "steps",
+                                          "pipelined_steps")}
     finally:
         engine.shutdown()
     folder = loaded.path
