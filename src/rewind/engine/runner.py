@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from rewind.config import BLOCK_TOKENS, default_chunk_tokens
-from rewind.engine.forward import split_model
+from rewind.engine.forward import pipeline_stages, split_model
 from rewind.engine.positions import given_positions
 from rewind.engine.residuals import given_residuals
 from rewind.kernels.backend import ModelKernels, kernels_for
@@ -164,6 +164,16 @@ class ModelRunner:
             fused = self._native_segments(split, segments)
         if fused is not None:
             hidden = fused
+        elif len(segments) > 1 and pipeline_stages(self.model) > 1:
+            # Pipeline stages (rewind.parallel.shard): each segment's graph holds a send or a
+            # receive between the ranks and a gather, and a CPU kernel inside a layer (the gated
+            # delta rule) evaluates its inputs while the graph is being built, so a later
+            # stage would wait on the next segment's receive while an earlier one waits in
+            # this segment's gather. Each segment's exchange completes before the next is built.
+            hidden = []
+            for segment in segments:
+                hidden.append(self._one(split, segment))
+                mx.eval(hidden[-1])
         else:
             hidden = [self._one(split, segment) for segment in segments]
         logits = self._heads(split, segments, hidden)
