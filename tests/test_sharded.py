@@ -5,6 +5,7 @@ Tensor-parallel (heads and MLP columns split): a tiny llama and a tiny Gemma 3. 
 caches): the tiny Qwen 3.5 hybrid (linear attention + full attention) and a tiny Ministral 3.
 Greedy tokens and log-probabilities must equal a single process running the same MLX layers,
 alone and batched, uncached and cached; a second turn restores on every rank, at the same point.
+A family without mlx-lm's pipeline() is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -152,6 +153,26 @@ def test_pipeline_parallel_equals_single_process(
     for r, rank in enumerate(sharded["ranks"]):
         assert rank["fingerprint"].endswith(f"|pipeline-{r}-of-2")
         assert Path(rank["cache_dir"]).name == f"pipeline-{r}-of-2"
+
+
+def test_pipeline_refused_for_a_family_without_it(tiny_model_path: Callable[[str], Path],
+                                                  tmp_path: Path) -> None:
+    """mlx-lm's llama has no pipeline(): `mlx.launch -- rewind serve --pipeline` exits with a
+    clear error on every rank (before any collective, so nothing hangs)."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+               sys.executable, "-m", "rewind", "serve", "--model", str(tiny_model_path("llama")),
+               "--port", str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--pipeline"]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": src}, capture_output=True,
+                          text=True, timeout=300)
+    output = done.stdout + done.stderr
+    # mlx.launch itself exits 0 whatever its ranks did; it reports their codes. The first rank
+    # to exit has the launcher stop the other, which may not have printed yet.
+    assert "exited with code 2" in output, output[-2000:]
+    assert "rewind serve: mlx-lm's llama has no pipeline layout" in output, output[-2000:]
+    assert "run it tensor-parallel (without --pipeline)" in output
+    assert "qwen3_5" in output and "Traceback" not in output, output[-2000:]
 
 
 @pytest.mark.real_model
