@@ -76,7 +76,14 @@ def main(model: str, out: Path, layout: str) -> int:
         (out / "results.json").write_text(json.dumps(results))
     else:
         engine.run()
-    (out / f"rank-{group.rank()}.json").write_text(json.dumps(prompt_cache.stats(), default=str))
+    from rewind.cache.kv import make_cache
+
+    report = {**prompt_cache.stats(), "fingerprint": loaded.fingerprint,
+              "cache_dir": str(prompt_cache.config.cache_dir),
+              # This rank's per-layer caches: every layer under tensor parallelism, only its
+              # stage's under pipeline parallelism.
+              "cache_layers": [type(layer).__name__ for layer in make_cache(loaded.model)]}
+    (out / f"rank-{group.rank()}.json").write_text(json.dumps(report, default=str))
     prompt_cache.close()
     return 0
 

@@ -225,6 +225,25 @@ def test_responses_api_stream(live):
     assert reply.status in ("completed", "incomplete") and reply.usage.input_tokens > 10
 
 
+def test_responses_api_stream_null_is_not_streamed(live):
+    """`"stream": null` (some clients send every optional field, unset ones as null) is
+    `"stream": false`: one JSON response, the same greedy answer as without the field."""
+    body = {"model": live.model, "input": "Say hello.", "max_output_tokens": 6,
+            "temperature": 0, "reasoning": {"effort": "none"}}
+    plain = post(live, "/v1/responses", body)
+    nulled = post(live, "/v1/responses", {**body, "stream": None})
+    assert plain.status_code == 200, plain.text
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.headers["content-type"].startswith("application/json")
+    answer = nulled.json()
+    assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete")
+    def texts(reply: dict[str, Any]) -> list[str]:
+        return [part["text"] for item in reply["output"] if item["type"] == "message"
+                for part in item["content"]]
+
+    assert texts(answer) == texts(plain.json()) and answer["usage"]["output_tokens"] >= 1
+
+
 # ---------------------------------------------------------------- the prompt cache
 
 

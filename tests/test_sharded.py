@@ -1,14 +1,18 @@
 """Sharded serving on loopback: `mlx.launch --backend ring -n 2` runs two ranks of the engine on
-this CPU, each with one shard of the model (tensor-parallel: heads and MLP columns split), and
-rank 0 replays every step's plan to rank 1. Greedy tokens and log-probabilities must equal a
-single process running the same MLX layers, alone and batched, uncached and cached; a second
-turn restores on every rank, at the same point.
+this CPU, each with one shard of the model, and rank 0 replays every step's plan to rank 1.
+Tensor-parallel (heads and MLP columns split): a tiny llama and a tiny Gemma 3. Pipeline-parallel
+(`--pipeline`, mlx-lm's `pipeline()`: each rank a slice of the layers and only those layers'
+caches): the tiny Qwen 3.5 hybrid (linear attention + full attention) and a tiny Ministral 3.
+Greedy tokens and log-probabilities must equal a single process running the same MLX layers,
+alone and batched, uncached and cached; a second turn restores on every rank, at the same point.
+A family without mlx-lm's pipeline() is refused with a clear error.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,8 +40,19 @@ def run_sharded(model: str, out: Path, layout: str = "tensor",
         command.append("--pipeline")
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(TESTS)])}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"mlx.launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    # A session of its own: on a timeout (ranks waiting on each other's collectives) the ranks
+    # are stopped with the launcher, not left spinning.
+    launched = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        stdout, stderr = launched.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launched.pid, signal.SIGKILL)
+        stdout, stderr = launched.communicate()
+        pytest.fail(f"mlx.launch ran past {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    # mlx.launch exits 0 whatever its ranks did: results.json missing is the failure.
+    assert launched.returncode == 0 and (out / "results.json").exists(), \
+        f"mlx.launch failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     return {"results": json.loads((out / "results.json").read_text()),
             "ranks": [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]}
 
@@ -62,13 +77,17 @@ def single_process(model: str, scratch: Path) -> dict[str, Any]:
         prompt_cache.close()
 
 
-def check_equal(sharded: dict[str, Any], reference: dict[str, Any]) -> None:
+def check_equal(sharded: dict[str, Any], reference: dict[str, Any],
+                atol: float = LOGPROB_ATOL) -> None:
     results = sharded["results"]
     assert results.keys() == reference.keys()
     for case, expected in reference.items():
         got = results[case]
         assert got["tokens"] == expected["tokens"], case
-        assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=LOGPROB_ATOL), case
+        if atol == 0:
+            assert got["logprobs"] == expected["logprobs"], case
+        else:
+            assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=atol), case
         assert got["cached"] == expected["cached"], case
     # Uncached and cached give the same answer; the repeat and the second turn were restored.
     assert results["repeat"]["tokens"] == results["alone"]["tokens"]
@@ -86,6 +105,74 @@ def test_tensor_parallel_equals_single_process(
     model = str(tiny_model_path(family))
     sharded = run_sharded(model, tmp_path / "sharded")
     check_equal(sharded, single_process(model, tmp_path / "single"))
+
+
+# Ministral 3's text model (mlx-lm's `ministral3`, which has pipeline()): the tiny llama's
+# weights and sizes under Ministral 3's yarn rope and position-scaled attention (as
+# rewind.testing.tiny_vlm's ministral3 variant; scaling changes past 64 positions here).
+MINISTRAL3 = {
+    "model_type": "ministral3", "architectures": ["Ministral3ForCausalLM"],
+    "rope_parameters": {"rope_type": "yarn", "type": "yarn", "rope_theta": 10000.0,
+                        "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+                        "original_max_position_embeddings": 64},
+}
+
+
+@pytest.fixture(scope="session")
+def pipeline_model_path(tiny_model_path: Callable[[str], Path],
+                        tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    def get(family: str) -> Path:
+        if family == "ministral3":
+            from rewind.testing.tiny_models import build_tiny_model
+
+            return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-ministral3"),
+                                    overrides=MINISTRAL3)
+        return tiny_model_path(family)
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "ministral3"])
+def test_pipeline_parallel_equals_single_process(
+        family: str, pipeline_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """`--pipeline`: rank 1 runs the first half of the layers, rank 0 the second half; the same
+    checks as the tensor layout, with log-probabilities exactly equal. Each rank's caches are its own layers' only, and its records
+    are keyed and stored under its place in the layout."""
+    model = str(pipeline_model_path(family))
+    # ~10 s when it works; a hang (the stages' send/recv paired with the wrong call) fails soon.
+    sharded = run_sharded(model, tmp_path / "sharded", layout="pipeline", timeout=180)
+    # Bit for bit: every layer runs whole, on the same inputs, in the same order; only which
+    # process runs it changes (no reduction is split, unlike the tensor layout).
+    check_equal(sharded, single_process(model, tmp_path / "single"), atol=0.0)
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    held = [rank["cache_layers"] for rank in sharded["ranks"]]
+    assert [len(h) for h in held] == [layers // 2, layers // 2], held
+    if family == "qwen3_5":  # linear, full, linear, full: each stage one of each
+        assert held[0] == held[1] == ["ArraysCache", "GrowingKVCache"], held
+    for r, rank in enumerate(sharded["ranks"]):
+        assert rank["fingerprint"].endswith(f"|pipeline-{r}-of-2")
+        assert Path(rank["cache_dir"]).name == f"pipeline-{r}-of-2"
+
+
+def test_pipeline_refused_for_a_family_without_it(tiny_model_path: Callable[[str], Path],
+                                                  tmp_path: Path) -> None:
+    """mlx-lm's llama has no pipeline(): `mlx.launch -- rewind serve --pipeline` exits with a
+    clear error on every rank (before any collective, so nothing hangs)."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+               sys.executable, "-m", "rewind", "serve", "--model", str(tiny_model_path("llama")),
+               "--port", str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--pipeline"]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": src}, capture_output=True,
+                          text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    # mlx.launch itself exits 0 whatever its ranks did; it reports their codes. The first rank
+    # to exit has the launcher stop the other, which may not have printed yet.
+    assert "exited with code 2" in output, output[-2000:]
+    assert "rewind serve: mlx-lm's llama has no pipeline layout" in output, output[-2000:]
+    assert "run it tensor-parallel (without --pipeline)" in output
+    assert "qwen3_5" in output and "Traceback" not in output, output[-2000:]
 
 
 @pytest.mark.real_model

@@ -216,11 +216,16 @@ def run_sharded(config: ServerConfig, group, layout: str,  # type: ignore[no-unt
     """One rank of `mlx.launch ... -- rewind serve`: rank 0 serves HTTP and leads the engine;
     the others hold their shard and replay rank 0's steps until it stops."""
     from rewind.parallel.serving import build_rank_engine, load_shard
+    from rewind.parallel.shard import ShardingError
 
     rank = group.rank()
     print(f"rank {rank} of {group.size()}: loading a {layout}-parallel shard of {config.model}",
           file=sys.stderr, flush=True)
-    loaded = load_shard(config.model, group, layout)
+    try:
+        loaded = load_shard(config.model, group, layout)
+    except ShardingError as exc:  # every rank finds the same, before any collective
+        print(f"rewind serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     engine, prompt_cache = build_rank_engine(loaded, config.engine, group, layout)
     if rank == 0:
         return serve_http(loaded, engine.start(), prompt_cache, config, log_level)

@@ -95,6 +95,13 @@ def split_model(model: Any) -> ModelSplit | None:
     return split
 
 
+def pipeline_stages(model: Any) -> int:
+    """How many processes run this model's layers one stage after another (mlx-lm's
+    `pipeline()`, rewind.parallel.shard); 1 when it runs whole here."""
+    backbone = getattr(_text_model(model), "model", None)
+    return int(getattr(backbone, "pipeline_size", 1) or 1)
+
+
 def forget_split(model: Any) -> None:
     """Call after replacing a model's head (e.g. the loader's fast head) so it is looked up again."""
     _SPLITS.pop(model)

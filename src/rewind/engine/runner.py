@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from rewind.config import BLOCK_TOKENS, default_chunk_tokens
-from rewind.engine.forward import split_model
+from rewind.engine.forward import pipeline_stages, split_model
 from rewind.engine.positions import given_positions
 from rewind.engine.residuals import given_residuals
 from rewind.kernels.backend import ModelKernels, kernels_for
@@ -195,12 +195,20 @@ class ModelRunner:
         if native:
             for i, h in zip(native, self._native_segments([segments[i] for i in native])):
                 hidden[i] = h
+        # Pipeline stages (rewind.parallel.shard): each segment's graph holds a send or a
+        # receive between the ranks and a gather, and a CPU kernel inside a layer (the gated
+        # delta rule) evaluates its inputs while the graph is being built, so a later stage
+        # would wait on the next segment's receive while an earlier one waits in this segment's
+        # gather. Each segment's exchange completes before the next is built.
+        one_by_one = len(segments) > 1 and pipeline_stages(self.model) > 1
         for i, segment in enumerate(segments):
             if i in native:
                 continue
             if segment.stop is not None or segment.carry is not None:
                 raise ValueError("this backend runs a segment through all layers in one call")
             hidden[i] = self._one(split, segment)
+            if one_by_one:
+                mx.eval(hidden[i])
         logits = self._heads(split, segments, hidden)
         if evaluate:
             mx.eval([a for a in logits if a is not None],

@@ -9,7 +9,10 @@ rank keeps the whole K/V projection and the query heads are split (as vLLM does 
 head count).
 
 Pipeline parallelism (--pipeline): mlx-lm's `model.model.pipeline(group)` where the family has
-one (qwen3_5, qwen3_next, ...): each rank runs a contiguous slice of the layers.
+one (mlx-lm 0.32: qwen3_5, qwen3_next, ministral3, deepseek_v41, ...): each rank runs a
+contiguous slice of the layers (rank 0 the last ones) and holds only those layers' caches; the
+hidden states go from stage to stage by send/recv, and an all_gather gives every rank the last
+stage's output, so every rank computes the same logits. Other families raise ShardingError.
 
 The model must run MLX's layers (not Rewind's C forward, which bypasses the sharded projections);
 the caller loads it with native_forward="off".
@@ -34,9 +37,15 @@ def shard_model(model: Any, group: mx.distributed.Group, layout: str) -> None:
     if layout == "pipeline":
         inner = getattr(model, "model", None)
         if not hasattr(inner, "pipeline"):
-            raise ShardingError(f"mlx-lm's {model_type(model)} has no pipeline(); run it "
-                                "tensor-parallel (without --pipeline)")
-        inner.pipeline(group)
+            raise ShardingError(
+                f"mlx-lm's {model_type(model)} has no pipeline layout (model.model.pipeline()); "
+                "run it tensor-parallel (without --pipeline). Installed mlx-lm has one for: "
+                f"{', '.join(pipeline_families()) or 'none'}")
+        try:
+            inner.pipeline(group)
+        except ValueError as exc:  # e.g. more ranks than layers
+            raise ShardingError(f"cannot split {model_type(model)}'s layers over "
+                                f"{group.size()} ranks: {exc}") from exc
     elif hasattr(model, "shard"):
         model.shard(group)
     elif model_type(model) == "gemma3_text":
@@ -44,6 +53,17 @@ def shard_model(model: Any, group: mx.distributed.Group, layout: str) -> None:
     else:
         raise ShardingError(f"no tensor-parallel layout for {model_type(model)}")
     mx.eval(model.parameters())
+
+
+def pipeline_families() -> list[str]:
+    """The installed mlx-lm's model modules that define a pipeline() (for the error message)."""
+    from pathlib import Path
+
+    import mlx_lm.models
+
+    folder = Path(mlx_lm.models.__file__).parent
+    return sorted(path.stem for path in folder.glob("*.py")
+                  if path.stem != "pipeline" and "def pipeline(" in path.read_text(errors="replace"))
 
 
 def model_type(model: Any) -> str:

@@ -209,7 +209,7 @@ class ResponsesRequest(_Lenient):
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    stream: bool = False
+    stream: bool | None = False  # null is false: some clients send unset fields as null
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
