@@ -93,7 +93,8 @@ def test_a_long_prompt_arriving_mid_stream_does_not_stall_the_running_row(tiny_l
     assert sum(1 for w in work if w > 0) >= len(long_prompt) // budget
     # ...and never more than the budget (less the decoding row) between two tokens.
     assert max(work) <= budget - 1
-    assert (partial_calls > 0) == (budget - 1 < 16)
+    if budget - 1 < 16:  # less than one chunk's worth a step: its layers were spread
+        assert partial_calls > 0
 
 
 def _run(engine: Engine, prompt: list[int], max_tokens: int):
@@ -146,8 +147,10 @@ def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path, budget):
             stats = engine.stats()
             # Where calls can stop between layers (the CPU kernels) and the budget is below a
             # chunk, they did.
-            sliced = stats["layers_per_chunk"] > 1 and budget < 32
-            assert (stats["partial_chunk_calls"] > 0) == sliced
+            if stats["layers_per_chunk"] == 1:
+                assert stats["partial_chunk_calls"] == 0
+            elif budget < 32:
+                assert stats["partial_chunk_calls"] > 0
     finally:
         prompt_cache.close()
 

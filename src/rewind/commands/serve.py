@@ -40,6 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sequences decoded together (default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests waiting for a slot before 429 (default: %(default)s)")
+    parser.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="N",
+                        help="prompt tokens' worth of prefill per step while others stream, "
+                        "their rows included: smaller keeps their tokens coming evenly, larger "
+                        "gives a new prompt its first token sooner (default: 16 plus --parallel "
+                        "on the CPU kernels, where a prompt chunk's layers spread over steps; "
+                        "one chunk plus --parallel elsewhere)")
     parser.add_argument("--api-key", default=None,
                         help="require this key (Authorization: Bearer or x-api-key) on /v1")
     parser.add_argument("--api-key-file", default=None, type=Path, metavar="FILE",
@@ -97,6 +103,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     cache = CacheConfig(enabled=not args.no_prompt_cache, disk_enabled=not args.no_disk_cache,
                         cache_dir=args.cache_dir, persist=args.cache_persist, **sizes)
     engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
+                          mixed_prefill_tokens=args.mixed_prefill_tokens,
                           max_kv_size=args.max_kv_size, cache=cache)
     config = ServerConfig(model=(args.model or ["default"])[0], host=args.host, port=args.port, api_key=args.api_key,
                           api_key_file=args.api_key_file, shared_cache=args.shared_cache,

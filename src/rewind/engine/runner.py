@@ -110,6 +110,13 @@ class ModelRunner:
             len(self.kernels.forward.layers)
             if self.kernels.fuses_segments and split_model(model) is not None else None)
 
+    def layer_costs(self, context: int) -> list[float]:
+        """Per-layer work of one token at `context` tokens held (the CPU kernels' estimate, in
+        mean-layer units; 1 per layer where calls cannot stop between layers)."""
+        if self.layer_count is None:
+            return [1.0]
+        return self.kernels.forward.layer_costs(context)
+
     # ---- caches -----------------------------------------------------------------------------
 
     def new_cache(self) -> list[Any]:

@@ -365,14 +365,14 @@ class Scheduler:
 
     def _plan_slices(self, budget: int) -> list[Chunk]:
         """This step's prefill work next to the decoding rows, where a chunk's layers can be
-        spread over steps: `budget` prompt tokens' worth of token-layers (a 64-token chunk on
-        18 layers takes 4 steps for a budget of 16), oldest prompt first, at least one layer of
-        one chunk. Each sequence goes on with its chunk in flight or starts its next one; the
-        chunk grid, and so the answer, is the same as whole chunks'. A prompt's last call goes
-        alone: its sequence then joins the decode batch, which copies the batch's caches (tens of
-        milliseconds at 10k tokens), that step's other work."""
+        spread over steps: `budget` prompt tokens' worth of work through every layer at no
+        context, counted with each layer's attention over what the sequence holds
+        (runner.layer_costs), oldest prompt first, at least one layer of one chunk. Each
+        sequence goes on with its chunk in flight or starts its next one; the chunk grid, and so
+        the answer, is the same as whole chunks'. A prompt's last call goes alone: its sequence
+        then joins the decode batch, that step's other work."""
         total_layers = self.layer_count or 1
-        left = budget * total_layers
+        left = budget * sum(self.runner.layer_costs(0))
         chunks: list[Chunk] = []
         for seq in self.prefilling:
             if seq.partial is not None:
@@ -380,24 +380,26 @@ class Scheduler:
             else:
                 start, done = seq.prefilled, 0
                 end = chunk_ends(start, len(seq.prompt), self.chunk_tokens, seq.checkpoint_at)[0]
-            sliceable = self._sliceable(seq)
             tokens = end - start
             joins = end == len(seq.prompt)
             if joins and chunks:
                 break
-            if not sliceable:
-                layers = total_layers - done
-                if tokens * layers > left and chunks:
+            costs = [tokens * cost for cost in self.runner.layer_costs(end)]
+            if not self._sliceable(seq):
+                stop, spent = None, sum(costs[done:])
+                if spent > left and chunks:
                     break
             else:
-                layers = min(total_layers - done, left // tokens)
-                if layers < 1:
+                stop, spent = done, 0.0
+                while stop < total_layers and spent + costs[stop] <= left:
+                    spent += costs[stop]
+                    stop += 1
+                if stop == done:
                     if chunks:
                         break
-                    layers = 1
-            chunks.append(Chunk(seq, start, end, stop=done + layers if sliceable else None,
-                                first=done))
-            left -= tokens * layers
+                    stop, spent = done + 1, costs[done]
+            chunks.append(Chunk(seq, start, end, stop=stop, first=done))
+            left -= spent
             if left <= 0 or joins:
                 break
         return chunks
