@@ -106,6 +106,35 @@ def test_all_greedy_rows_take_one_batched_argmax():
     assert [r.token for r in results] == [0, VOCAB - 1]
 
 
+def test_greedy_rows_with_a_logit_bias_take_one_batched_graph(monkeypatch):
+    """Greedy rows whose only processing is a logit bias (an EOS ban on every stream) are one
+    argmax over the batch, with no per-row graph, and pick what the per-row path picks."""
+    rows = mx.array([LOGITS, list(reversed(LOGITS)), LOGITS, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    samplers = [sampler(temperature=0, logit_bias={0: -100.0}),
+                sampler(temperature=0),
+                sampler(temperature=0, logit_bias={4: 10.0, 1: -5.0}),
+                sampler(temperature=0, logit_bias={2: 0.5})]
+    per_row = [int(s.draw(s.process(rows[i])).item()) for i, s in enumerate(samplers)]
+    assert per_row == [1, VOCAB - 1, 4, 2]
+
+    def no_row_graph(self, logits):
+        raise AssertionError("a per-row graph for a batched greedy row")
+
+    monkeypatch.setattr(SequenceSampler, "process", no_row_graph)
+    monkeypatch.setattr(SequenceSampler, "draw", no_row_graph)
+    assert [r.token for r in sample_rows(samplers, rows)] == per_row
+
+
+def test_a_row_with_logprobs_or_penalties_keeps_the_per_row_path():
+    rows = mx.array([LOGITS, LOGITS])
+    biased = sampler(temperature=0, logit_bias={0: -100.0})
+    results = sample_rows([biased, sampler(temperature=0, logprobs=True)], rows)
+    assert [r.token for r in results] == [1, 0] and results[1].logprob is not None
+    penalised = SequenceSampler(SamplingParams(temperature=0, repetition_penalty=10.0),
+                                prompt_tokens=[0], vocab_size=VOCAB)
+    assert [r.token for r in sample_rows([biased, penalised], rows)] == [1, 1]
+
+
 def test_bad_values_are_rejected():
     with pytest.raises(InvalidRequestError):
         sampler(logit_bias={VOCAB: 1.0})
