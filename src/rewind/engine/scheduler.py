@@ -189,12 +189,19 @@ class Scheduler:
         rows = len(self.decoding)
         rounds = self._plan_prefill()
         self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
+        ran = 1
         for chunks in rounds[1:]:
+            if self.decoding:
+                # A prompt finished in an earlier round and its sequence now decodes: the rest of
+                # this step's prefill (up to `prefill_chunk` tokens, seconds on a CPU) would hold
+                # its second token; the next steps mix it with prefill under the budget instead.
+                break
             self._run_round(chunks, with_decode=False)
+            ran += 1
         if log.isEnabledFor(logging.DEBUG):
             # Where a stream's time between tokens goes (`rewind serve --log-level debug`).
             work = ", ".join(f"{c.end - c.start}x{(c.stop or self.layer_count or 1) - c.first}"
-                             for chunks in rounds for c in chunks)
+                             for chunks in rounds[:ran] for c in chunks)
             now = time.perf_counter()
             log.debug("step %d: %d decoding, prefill [%s] (tokens x layers), %.1f ms "
                       "(admission %.1f ms)", self.counters.steps, rows, work,

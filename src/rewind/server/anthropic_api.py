@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -236,7 +238,9 @@ async def count_tokens(request: Request) -> Any:
 async def messages(request: Request) -> Any:
     body = await parse_body(request, MessagesRequest, request.app.state.config)
     runtime = await use_model(request, body.model, body.keep_alive)
-    messages_, prompt = render(runtime, body)
+    # Off the event loop: templating and tokenizing a long conversation take tens of ms,
+    # during which every other stream's tokens would wait.
+    messages_, prompt = await asyncio.to_thread(render, runtime, body)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_tokens)
     params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                             top_p=1.0 if body.top_p is None else body.top_p,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 import json
 import time
 import uuid
@@ -179,8 +180,8 @@ async def chat_completions(request: Request) -> Any:
     choice = _tool_choice_name(body.tool_choice)
     images = runtime.image_collector()
     messages = neutral_messages(body.messages, lambda url: runtime.add_image(images, url=url))
-    prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
-                                      template_kwargs=body.chat_template_kwargs)
+    prompt = await runtime.render(messages, tools or None, tool_choice=choice,
+                                  template_kwargs=body.chat_template_kwargs)
     prompt = runtime.with_images(prompt, images)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens),
                                         body.max_completion_tokens or body.max_tokens)

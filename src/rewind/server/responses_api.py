@@ -239,8 +239,8 @@ async def responses(request: Request) -> Any:
     choice = _tool_choice(body)
     effort = body.reasoning.effort if body.reasoning is not None else None
     template_kwargs = {"enable_thinking": False} if effort == "none" else None
-    prompt = runtime.formatter.render(messages, tools or None, tool_choice=choice,
-                                      template_kwargs=template_kwargs)
+    prompt = await runtime.render(messages, tools or None, tool_choice=choice,
+                                  template_kwargs=template_kwargs)
     prompt = runtime.with_images(prompt, images)
     max_tokens = runtime.max_new_tokens(len(prompt.tokens), body.max_output_tokens)
     params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,

@@ -188,6 +188,12 @@ class ModelRuntime:
         except EngineStoppedError as exc:
             raise ApiError(503, "overloaded", str(exc)) from exc
 
+    async def render(self, messages: Any, tools: Any = None, **kwargs: Any) -> Any:
+        """The formatter's render off the event loop: templating and tokenizing a long
+        conversation take tens of milliseconds (25-40 ms at 10k tokens on 2 cores), during
+        which every other stream's tokens would wait to be sent."""
+        return await asyncio.to_thread(self.formatter.render, messages, tools, **kwargs)
+
     async def submit_async(self, tokens: list[int], *args: Any, **kwargs: Any) -> RequestHandle:
         """submit() for the event loop, after the memory budget admits the prompt's cache (it
         may wait for room, or answer 429). A request with a grammar compiles it first, which
