@@ -40,6 +40,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="generated per turn")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--rewind-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for every `rewind serve` the bench starts "
+                        "(repeat it), e.g. --rewind-arg=--mixed-prefill-tokens=68")
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -228,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     model = model_files(args)
     system = AgenticText(SYSTEM_SEED).system_prompt(args.system_tokens)
     scripts = [session_script(args, s) for s in range(args.sessions)]
-    options = ServerOptions(parallel=args.parallel, context=args.context)
+    options = ServerOptions(parallel=args.parallel, context=args.context,
+                            extra_rewind_args=tuple(args.rewind_arg))
     log_dir = server_log_dir()
 
     def write(records: list[dict], runs: dict, notes: list[str]) -> list:
