@@ -95,9 +95,10 @@ def default_chunk_tokens() -> int:
 # Prompt tokens' worth of work per step next to decoding rows where a chunk's layers can be
 # spread over steps (the CPU kernels). Three agent sessions to 10k tokens on 2 cores (default
 # model, budgets 20 / 36 / 68 with --parallel 4): end to end 423 / 402 / 359 s, time after the
-# first token 2.75 / 3.32 / 3.95 s, p99 gap between tokens 157 / 163 / 217 ms. Half a chunk
-# keeps the gaps near the smallest budget's at a fifth less waiting for first tokens.
-SLICED_PREFILL_TOKENS = 32
+# first token 2.75 / 3.32 / 3.95 s, p99 gap between tokens 157 / 163 / 217 ms. An agent waits
+# for the whole answer, so one chunk's worth: the shortest turns, with gaps a third of whole
+# chunks' (366 ms).
+SLICED_PREFILL_TOKENS = 64
 
 
 @dataclass
