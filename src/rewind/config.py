@@ -93,12 +93,11 @@ def default_chunk_tokens() -> int:
 
 
 # Prompt tokens' worth of work per step next to decoding rows where a chunk's layers can be
-# spread over steps (the CPU kernels). Three agent sessions to 10k tokens on 2 cores (default
-# model, budgets 20 / 36 / 68 with --parallel 4): end to end 423 / 402 / 359 s, time after the
-# first token 2.75 / 3.32 / 3.95 s, p99 gap between tokens 157 / 163 / 217 ms. An agent waits
-# for the whole answer, so one chunk's worth: the shortest turns, with gaps a third of whole
-# chunks' (366 ms).
-SLICED_PREFILL_TOKENS = 64
+# spread over steps (the CPU kernels). Three agent sessions to 10k tokens on 2 cores, side by
+# side with llama-server (benchmarks/results/mixed-budget): at 36 (with --parallel 4) the turns
+# took as long end to end and streamed 1.08x llama-server's time after the first token; at 68,
+# 0.98x end to end but 1.46x after the first token, with a p99 gap of 249 ms against 168.
+SLICED_PREFILL_TOKENS = 32
 
 
 @dataclass
