@@ -93,11 +93,12 @@ def default_chunk_tokens() -> int:
 
 
 # Prompt tokens' worth of work per step next to decoding rows where a chunk's layers can be
-# spread over steps (the CPU kernels). Three agent sessions to 10k tokens on 2 cores, side by
-# side with llama-server (benchmarks/results/mixed-budget): at 36 (with --parallel 4) the turns
-# took as long end to end and streamed 1.08x llama-server's time after the first token; at 68,
-# 0.98x end to end but 1.46x after the first token, with a p99 gap of 249 ms against 168.
-SLICED_PREFILL_TOKENS = 32
+# spread over steps (the CPU kernels): one chunk's. Agent sessions to 10k tokens on 2 cores, side
+# by side with llama-server (benchmarks/results/mixed-budget): with 4 sessions and a budget of 36
+# (with --parallel 4) the turns' first tokens waited 1.65x llama-server's in all and the sessions
+# took 1.09x as long; more prefill a step gives the next turn its first token sooner, at a longer
+# gap between a stream's tokens (p99 249 ms at 68 against 168 at 36, 3 sessions).
+SLICED_PREFILL_TOKENS = 64
 
 
 @dataclass

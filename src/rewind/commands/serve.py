@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="N",
                         help="prompt tokens' worth of prefill per step while others stream, "
                         "their rows included: smaller keeps their tokens coming evenly, larger "
-                        "gives a new prompt its first token sooner (default: 32 plus --parallel "
+                        "gives a new prompt its first token sooner (default: 64 plus --parallel "
                         "on the CPU kernels, where a prompt chunk's layers spread over steps; "
                         "one chunk plus --parallel elsewhere)")
     parser.add_argument("--api-key", default=None,
