@@ -194,6 +194,9 @@ class ModelRunner:
         rows_of = [len(s.cache) if isinstance(s.cache, RowCaches) else 0 for s in segments]
         if any(rows_of):
             return self._forward_rows(segments, rows_of, evaluate)
+        return self._forward(segments, evaluate)
+
+    def _forward(self, segments: list[Segment], evaluate: bool) -> list[mx.array | None]:
         split = split_model(self.model)
         # The plain segments share one pass through the CPU kernels; the others (per-call model
         # state) run alone, with the same answers.
@@ -237,7 +240,7 @@ class ModelRunner:
                     None if segment.embeds is None else segment.embeds[row:row + 1],
                     None if segment.positions is None else segment.positions[:, row:row + 1],
                     segment.residuals))
-        logits = self.forward(expanded, evaluate)
+        logits = self._forward(expanded, evaluate)
         out: list[mx.array | None] = []
         start = 0
         for rows in rows_of:
