@@ -155,6 +155,45 @@ def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path, budget):
         prompt_cache.close()
 
 
+def test_a_prompt_cut_by_checkpoints_gets_its_small_calls_in_one_step(tiny_loaded):
+    """A follow-up turn's new tokens come cut into small calls (a message boundary, the
+    prompt's last token but one), each depending on the one before. Next to a decoding row they
+    go in further passes of the same step while the budget lasts, not a step each: the first
+    token comes within 3 steps of the submission (one may be under way) where the 5 calls would
+    take 5; and the answer is the one it has alone."""
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode(LONG_TEXT)[:44]
+    cuts = [20, 30]  # calls [0, 20) [20, 30) [30, 32) [32, 43) [43, 44) on the 32-token grid
+    config = EngineConfig(parallel=2, chunk_tokens=32, mixed_prefill_tokens=120)
+
+    def request(max_tokens: int) -> GenerationRequest:
+        return GenerationRequest(prompt, params(engine, max_tokens, logprobs=True),
+                                 checkpoints=cuts)
+
+    with Engine(loaded, config) as engine:
+        alone = list(engine.submit(request(6)).events(TIMEOUT))
+    with Engine(loaded, config) as engine:
+        steps_at_first: list[int] = []
+        streaming = engine.submit(GenerationRequest(loaded.tokenizer.encode(SHORT_TEXT),
+                                                    params(engine, 10_000)))
+        events = streaming.events(TIMEOUT)
+        assert isinstance(next(events), TokenEvent)  # decoding when the request comes
+        engine.add_sample_listener(
+            lambda name, _: steps_at_first.append(engine.stats()["steps"])
+            if name == "ttft_seconds" else None)
+        submitted_at = engine.stats()["steps"]
+        mixed = list(engine.submit(request(6)).events(TIMEOUT))
+        streaming.cancel()
+        list(events)
+        passes = engine.stats()["extra_prefill_passes"]
+    assert steps_at_first[0] - submitted_at <= 3, (submitted_at, steps_at_first)
+    assert passes >= 2
+    tokens = [(e.token, e.logprob) for e in alone if isinstance(e, TokenEvent)]
+    assert [e.token for e in mixed if isinstance(e, TokenEvent)] == [t for t, _ in tokens]
+    assert [e.logprob for e in mixed if isinstance(e, TokenEvent)] == pytest.approx(
+        [lp for _, lp in tokens], abs=1e-4)
+
+
 def test_prompts_arriving_together_share_steps(tiny_loaded):
     """Three prompts submitted at once are prefilled side by side (their chunks in the same
     steps), not one after another: their first tokens come within a few steps of each other."""

@@ -99,6 +99,11 @@ def default_chunk_tokens() -> int:
 # took 1.09x as long; more prefill a step gives the next turn its first token sooner, at a longer
 # gap between a stream's tokens (p99 249 ms at 68 against 168 at 36, 3 sessions).
 SLICED_PREFILL_TOKENS = 64
+# What one more pass through the layers costs beyond its rows, in prompt tokens' worth: reading
+# every weight again. Default model, 2 cores: a 1-token call takes 22-25 ms, a 64-token one 150-156
+# ms (~2.1 ms a token), so ~10 tokens. A step spends it on a sequence's next call once its last
+# one passed every layer (the small calls the checkpoints cut), rather than leave it for a step.
+PASS_TOKENS = 10
 
 
 @dataclass

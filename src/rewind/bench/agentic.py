@@ -40,9 +40,6 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="generated per turn")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--context", type=int, default=16384)
-    parser.add_argument("--rewind-arg", action="append", default=[], metavar="ARG",
-                        help="one more argument for every `rewind serve` the bench starts "
-                        "(repeat it), e.g. --rewind-arg=--mixed-prefill-tokens=68")
 
 
 def apply_quick(args: argparse.Namespace) -> None:

@@ -45,7 +45,8 @@ def make_options(args: argparse.Namespace):
             extra = ("--cache-ram", args.hot_ram)
         elif label == "rewind-ram":
             extra = ("--cache-ram", "16GiB")  # with --no-disk-cache: everything stays in RAM
-        return ServerOptions(parallel=args.parallel, context=8192, extra_rewind_args=extra)
+        return ServerOptions(parallel=args.parallel, context=8192,
+                             extra_rewind_args=(*extra, *args.rewind_arg))
 
     return options_for
 

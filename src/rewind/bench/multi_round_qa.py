@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     model = model_files(args)
     system = AgenticText(11).system_prompt(args.system_tokens)
     scripts = [user_script(args, u) for u in range(args.users)]
-    options = ServerOptions(parallel=args.parallel, context=16384)
+    options = ServerOptions(parallel=args.parallel, context=16384,
+                            extra_rewind_args=tuple(args.rewind_arg))
 
     def write(records: list[dict], runs: dict, notes: list[str]) -> list:
         summary, tables, plots = summarize(records, labels, args.rounds)

@@ -41,9 +41,13 @@ def labels_for(servers: list[str], parallel: int) -> list[str]:
     return [label for name in servers for label in (f"{name}@p{parallel}", f"{name}@p1")]
 
 
-def options_for(label: str) -> ServerOptions:
-    parallel = int(label.split("@p", 1)[1]) if "@p" in label else 1
-    return ServerOptions(parallel=parallel, context=4096)
+def make_options(args: argparse.Namespace):
+    def options_for(label: str) -> ServerOptions:
+        parallel = int(label.split("@p", 1)[1]) if "@p" in label else 1
+        return ServerOptions(parallel=parallel, context=4096,
+                             extra_rewind_args=tuple(args.rewind_arg))
+
+    return options_for
 
 
 def make_workload(args: argparse.Namespace):
@@ -136,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             notes=notes, commands=server_commands(runs)).write(
                 args.out, out_stem(NAME, args.quick, args.tag))
 
-    records, runs, notes = run_servers(args, labels, model, options_for, make_workload(args),
+    records, runs, notes = run_servers(args, labels, model, make_options(args), make_workload(args),
                                        calibrate_tokens=0, log_dir=server_log_dir(),
                                        on_progress=write)
     for path in write(records, runs, notes):

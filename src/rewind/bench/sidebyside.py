@@ -67,6 +67,9 @@ def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
                              "copy on the CPU backend")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for each server to load")
+    parser.add_argument("--rewind-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for every `rewind serve` the bench starts "
+                        "(repeat it), e.g. --rewind-arg=--mixed-prefill-tokens=68")
 
 
 @dataclass

@@ -308,6 +308,7 @@ class Engine:
             "prefilled_tokens": counters.prefilled_tokens,
             "prefill_token_layers": counters.prefill_token_layers,
             "partial_chunk_calls": counters.partial_chunk_calls,
+            "extra_prefill_passes": counters.extra_prefill_passes,
             "layers_per_chunk": sched.layer_count or 1,
             "generated_tokens": counters.generated_tokens,
             "cached_tokens": counters.cached_tokens,

@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.config import BLOCK_TOKENS, EngineConfig
+from rewind.config import BLOCK_TOKENS, PASS_TOKENS, EngineConfig
 from rewind.engine.positions import takes_positions
 from rewind.engine.request import (
     FinishEvent,
@@ -102,6 +102,8 @@ class Counters:
     # layers; one "layer" a call elsewhere), and the chunk calls that stopped between layers.
     prefill_token_layers: int = 0
     partial_chunk_calls: int = 0
+    # Prefill-only passes a mixed step ran after the decoding rows' (a sequence's next call).
+    extra_prefill_passes: int = 0
 
 
 @dataclass
@@ -187,16 +189,23 @@ class Scheduler:
         self.counters.steps += 1
         admitted = time.perf_counter()
         rows = len(self.decoding)
+        # Sliced rounds are planned within the mixed budget, whole-chunk rounds are not.
+        sliced = bool(self.decoding) and self.layer_count is not None
         rounds = self._plan_prefill()
         self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
         ran = 1
         for chunks in rounds[1:]:
-            if self.decoding:
+            if self.decoding and not sliced:
                 # A prompt finished in an earlier round and its sequence now decodes: the rest of
                 # this step's prefill (up to `prefill_chunk` tokens, seconds on a CPU) would hold
                 # its second token; the next steps mix it with prefill under the budget instead.
                 break
-            self._run_round(chunks, with_decode=False)
+            # A sequence that ended meanwhile (a failed call) drops out of the later rounds.
+            chunks = [c for c in chunks if c.seq in self.prefilling and c.seq.prefilled == c.start]
+            if chunks:
+                self._run_round(chunks, with_decode=False)
+                if sliced:
+                    self.counters.extra_prefill_passes += 1
             ran += 1
         if log.isEnabledFor(logging.DEBUG):
             # Where a stream's time between tokens goes (`rewind serve --log-level debug`).
@@ -344,7 +353,7 @@ class Scheduler:
                 # The restore (copying a long prefix into live caches) was this step's share
                 # of work beside the decoding rows; prefill goes on next step.
                 return []
-            return [self._plan_slices(budget)]
+            return self._plan_slices(budget)
         pending = {id(seq): chunk_ends(seq.prefilled, len(seq.prompt), self.chunk_tokens,
                                        seq.checkpoint_at) for seq in self.prefilling}
         starts = {id(seq): seq.prefilled for seq in self.prefilling}
@@ -370,46 +379,74 @@ class Scheduler:
             break
         return rounds
 
-    def _plan_slices(self, budget: int) -> list[Chunk]:
+    def _plan_slices(self, budget: int) -> list[list[Chunk]]:
         """This step's prefill work next to the decoding rows, where a chunk's layers can be
         spread over steps: `budget` prompt tokens' worth of work through every layer at no
         context, counted with each layer's attention over what the sequence holds
         (runner.layer_costs), oldest prompt first, at least one layer of one chunk. Each
         sequence goes on with its chunk in flight or starts its next one; the chunk grid, and so
-        the answer, is the same as whole chunks'. A prompt's last call goes alone: its sequence
-        then joins the decode batch, that step's other work."""
+        the answer, is the same as whole chunks'. A prompt's last call goes alone in its pass:
+        its sequence then joins the decode batch.
+
+        Round 0 shares the decoding rows' pass. Budget left after it goes to further passes
+        (prefill only) for the sequences whose chunk passed every layer: their next chunk
+        depends on it, so it needs a pass of its own, charged `PASS_TOKENS` for reading the
+        weights again. Those passes are for the small calls the checkpoints cut (a message
+        boundary, the prompt's last token but one), which would otherwise cost a step each."""
         total_layers = self.layer_count or 1
-        left = budget * sum(self.runner.layer_costs(0))
-        chunks: list[Chunk] = []
-        for seq in self.prefilling:
-            if seq.partial is not None:
-                start, end, done = seq.prefilled, seq.partial_end, seq.partial.done
-            else:
-                start, done = seq.prefilled, 0
-                end = chunk_ends(start, len(seq.prompt), self.chunk_tokens, seq.checkpoint_at)[0]
-            tokens = end - start
-            joins = end == len(seq.prompt)
-            if joins and chunks:
-                break
-            costs = [tokens * cost for cost in self.runner.layer_costs(end)]
-            if not self._sliceable(seq):
-                stop, spent = None, sum(costs[done:])
-                if spent > left and chunks:
+        unit = sum(self.runner.layer_costs(0))
+        left = budget * unit
+        # Where each sequence stands as the planned calls run: (start, end of its call in
+        # flight or None, layers that call has passed).
+        at = {id(seq): (seq.prefilled, seq.partial_end if seq.partial is not None else None,
+                        seq.partial.done if seq.partial is not None else 0)
+              for seq in self.prefilling}
+        rounds: list[list[Chunk]] = []
+        candidates = list(self.prefilling)
+        while candidates and left > 0:
+            if rounds:
+                left -= PASS_TOKENS * unit
+                if left <= 0:
                     break
-            else:
-                stop, spent = done, 0.0
-                while stop < total_layers and spent + costs[stop] <= left:
-                    spent += costs[stop]
-                    stop += 1
-                if stop == done:
-                    if chunks:
+            chunks: list[Chunk] = []
+            for seq in candidates:
+                start, end, done = at[id(seq)]
+                if end is None:
+                    end = chunk_ends(start, len(seq.prompt), self.chunk_tokens,
+                                     seq.checkpoint_at)[0]
+                tokens = end - start
+                joins = end == len(seq.prompt)
+                if joins and chunks:
+                    break
+                costs = [tokens * cost for cost in self.runner.layer_costs(end)]
+                if not self._sliceable(seq):
+                    stop, spent = None, sum(costs[done:])
+                    if spent > left and (chunks or rounds):
                         break
-                    stop, spent = done + 1, costs[done]
-            chunks.append(Chunk(seq, start, end, stop=stop, first=done))
-            left -= spent
-            if left <= 0 or joins:
+                else:
+                    stop, spent = done, 0.0
+                    while stop < total_layers and spent + costs[stop] <= left:
+                        spent += costs[stop]
+                        stop += 1
+                    if stop == done:
+                        if chunks or rounds:
+                            break
+                        stop, spent = done + 1, costs[done]
+                chunks.append(Chunk(seq, start, end, stop=stop, first=done))
+                left -= spent
+                passed = stop is None or stop >= total_layers
+                at[id(seq)] = (end, None, 0) if passed else (start, end, stop)
+                if left <= 0 or joins:
+                    break
+            if not chunks:
                 break
-        return chunks
+            rounds.append(chunks)
+            # Next pass: the sequences whose call passed every layer, with prompt left, and
+            # not joining (a joining call ends its sequence's prefill).
+            candidates = [c.seq for c in chunks
+                          if (c.stop is None or c.stop >= total_layers)
+                          and c.end < len(c.seq.prompt)]
+        return rounds
 
     @staticmethod
     def _sliceable(seq: Sequence) -> bool:
