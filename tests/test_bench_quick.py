@@ -145,3 +145,19 @@ def test_agentic_quick_runs_and_reports(tmp_path: Path) -> None:
     run = next(iter(payload["summary"]["runs"].values()))
     assert 0 < run["ready_s"] <= run["first_answer_s"]
     assert "### Start-up" in markdown and "until the first answer" in markdown
+
+
+def test_rewind_arg_reaches_every_rewind_server_of_a_workload(tmp_path: Path) -> None:
+    """`--rewind-arg` (any side-by-side workload) is passed to each `rewind serve` it starts, and
+    the report's server commands show it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rewind", "bench", "parallel-chat", "--quick", "--servers",
+         "rewind", "--max-tokens", "4", "--rewind-arg=--mixed-prefill-tokens=9",
+         "--out", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    markdown = next(tmp_path.glob("parallel-chat*.md")).read_text()
+    commands = [line for line in markdown.splitlines()
+                if line.startswith("- **rewind@p") and "`rewind serve --model" in line]
+    assert len(commands) == 2, markdown  # --parallel 4 and 1
+    assert all("--mixed-prefill-tokens=9" in line for line in commands), commands
