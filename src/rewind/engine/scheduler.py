@@ -190,7 +190,7 @@ class Scheduler:
         admitted = time.perf_counter()
         rows = len(self.decoding)
         # Sliced rounds are planned within the mixed budget, whole-chunk rounds are not.
-        sliced = bool(self.decoding) and self.layer_count is not None
+        sliced = self._slicing
         rounds = self._plan_prefill()
         self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
         ran = 1
@@ -334,6 +334,12 @@ class Scheduler:
 
     # ---- prefill ----------------------------------------------------------------------------
 
+    @property
+    def _slicing(self) -> bool:
+        """Whether this step's prefill goes beside decoding rows in layer slices (the CPU
+        kernels), planned by `_plan_slices`."""
+        return bool(self.decoding) and self.layer_count is not None
+
     def _prefill_budget(self) -> int:
         """Prompt tokens this step: few while rows decode (each decoding row waits for them),
         a larger batch of chunks when nothing else runs."""
@@ -348,7 +354,7 @@ class Scheduler:
         over the waiting prompts, oldest first. At least one chunk per step, so a full decode
         batch cannot starve a waiting prompt."""
         budget = self._prefill_budget()
-        if self.decoding and self.layer_count is not None:
+        if self._slicing:
             if self._restored_now:
                 # The restore (copying a long prefix into live caches) was this step's share
                 # of work beside the decoding rows; prefill goes on next step.
@@ -396,21 +402,19 @@ class Scheduler:
         total_layers = self.layer_count or 1
         unit = sum(self.runner.layer_costs(0))
         left = budget * unit
-        # Where each sequence stands as the planned calls run: (start, end of its call in
-        # flight or None, layers that call has passed).
-        at = {id(seq): (seq.prefilled, seq.partial_end if seq.partial is not None else None,
-                        seq.partial.done if seq.partial is not None else 0)
-              for seq in self.prefilling}
+        # (sequence, start, end of its call in flight or None, layers that call has passed)
+        candidates = [(seq, seq.prefilled,
+                       seq.partial_end if seq.partial is not None else None,
+                       seq.partial.done if seq.partial is not None else 0)
+                      for seq in self.prefilling]
         rounds: list[list[Chunk]] = []
-        candidates = list(self.prefilling)
         while candidates and left > 0:
             if rounds:
                 left -= PASS_TOKENS * unit
                 if left <= 0:
                     break
             chunks: list[Chunk] = []
-            for seq in candidates:
-                start, end, done = at[id(seq)]
+            for seq, start, end, done in candidates:
                 if end is None:
                     end = chunk_ends(start, len(seq.prompt), self.chunk_tokens,
                                      seq.checkpoint_at)[0]
@@ -434,18 +438,15 @@ class Scheduler:
                         stop, spent = done + 1, costs[done]
                 chunks.append(Chunk(seq, start, end, stop=stop, first=done))
                 left -= spent
-                passed = stop is None or stop >= total_layers
-                at[id(seq)] = (end, None, 0) if passed else (start, end, stop)
                 if left <= 0 or joins:
                     break
             if not chunks:
                 break
             rounds.append(chunks)
-            # Next pass: the sequences whose call passed every layer, with prompt left, and
-            # not joining (a joining call ends its sequence's prefill).
-            candidates = [c.seq for c in chunks
-                          if (c.stop is None or c.stop >= total_layers)
-                          and c.end < len(c.seq.prompt)]
+            # Next pass: the sequences whose call passed every layer and has prompt after it (a
+            # joining call ends its sequence's prefill).
+            candidates = [(c.seq, c.end, None, 0) for c in chunks
+                          if c.stop in (None, total_layers) and c.end < len(c.seq.prompt)]
         return rounds
 
     @staticmethod
