@@ -29,7 +29,8 @@ from rewind.paths import cache_home
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).resolve().parent / "c"  # the C sources, beside this package
-SOURCES = (NATIVE / "cpu_kernels.c", NATIVE / "attention.c", NATIVE / "gated_delta.c")
+SOURCES = (NATIVE / "pool.c", NATIVE / "cpu_kernels.c", NATIVE / "attention.c",
+           NATIVE / "gated_delta.c")
 HEADERS = (NATIVE / "simd.h",)
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]

@@ -7,7 +7,7 @@
    context took 287 ms per global layer of Gemma 3 270M, more than all its matmuls. This kernel
    streams keys in blocks with an online softmax (flash-attention style), a vectorized exp, and
    skips blocks the mask rules out (the causal upper triangle; windows and padding from mask
-   arrays), over a thread pool (cpu_kernels.c).
+   arrays), over a thread pool (pool.c).
 
    Grouped-query attention: the `heads / kv_heads` query heads that share a key/value head are
    one work item, so each key block is read once for all of them. A work item is (batch row,

@@ -11,18 +11,11 @@
    update (MLX, rewind.kernels.native_forward) and attention (attention.c), so every cache class,
    mask and the prompt cache keep working unchanged.
 
-   Threads: a small pool of its own, not OpenMP. A job is a list of blocks that threads claim
-   from one atomic counter, and a job is done when its blocks are done, not when every thread
-   has checked in: on a busy machine (a benchmark, another server) a descheduled worker then
-   costs nothing, where an OpenMP barrier waits a whole time slice for it at every matvec
-   (measured: decode fell from 27 to 2 tokens/s with one other busy process on 2 cores).
+   Threads: the pool in pool.c, not OpenMP (why: there).
 
    Built at first use by rewind.kernels.native with the system C compiler (AVX-512 where the CPU
    has it, else AVX2); without a compiler Rewind keeps MLX's path. */
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -68,108 +61,6 @@ DEFINE_BLOCK(3)
 DEFINE_BLOCK(4)
 #endif
 
-
-/* ---- the thread pool ------------------------------------------------------------------------ */
-
-#define MAX_WORKERS 63
-#define SPIN_ROUNDS 20000 /* ~0.1-0.3 ms of pause before a worker sleeps */
-
-static struct {
-  _Atomic uint64_t claim; /* generation << 32 | next block to claim */
-  _Atomic int64_t done;   /* blocks finished in this generation */
-  BlockFn fn;             /* the current generation's job, written before `claim` moves */
-  const void *args;
-  int64_t blocks;
-  uint32_t generation;
-  int workers;
-  int sleepers;
-  pthread_mutex_t lock;
-  pthread_cond_t wake;
-  pthread_mutex_t run_lock; /* one job at a time (callers are one engine thread anyway) */
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
-          .run_lock = PTHREAD_MUTEX_INITIALIZER};
-
-static inline uint32_t gen_of(uint64_t claim) { return (uint32_t)(claim >> 32); }
-
-/* Claim and run blocks of generation `gen` until none is left. A claim succeeds only while the
-   counter still holds `gen`, so the job fields read before it belong to `gen`: the next job is
-   written only after every block of this one is done. */
-static void work(uint32_t gen) {
-  for (;;) {
-    uint64_t claim = atomic_load_explicit(&pool.claim, memory_order_acquire);
-    if (gen_of(claim) != gen) return;
-    BlockFn fn = pool.fn;
-    const void *args = pool.args;
-    int64_t blocks = pool.blocks, block = (int64_t)(uint32_t)claim;
-    if (block >= blocks) return;
-    if (!atomic_compare_exchange_weak_explicit(&pool.claim, &claim, claim + 1,
-                                               memory_order_acq_rel, memory_order_acquire))
-      continue;
-    fn(args, block);
-    atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
-  }
-}
-
-static void *worker_main(void *unused) {
-  (void)unused;
-  uint32_t seen = 0;
-  for (;;) {
-    uint64_t claim;
-    int spins = 0;
-    while (gen_of(claim = atomic_load_explicit(&pool.claim, memory_order_acquire)) == seen) {
-      if (++spins < SPIN_ROUNDS) {
-        _mm_pause();
-        continue;
-      }
-      pthread_mutex_lock(&pool.lock);
-      pool.sleepers++;
-      while (gen_of(atomic_load_explicit(&pool.claim, memory_order_acquire)) == seen)
-        pthread_cond_wait(&pool.wake, &pool.lock);
-      pool.sleepers--;
-      pthread_mutex_unlock(&pool.lock);
-      spins = 0;
-    }
-    seen = gen_of(claim);
-    work(seen);
-  }
-  return NULL;
-}
-
-static void ensure_workers(int wanted) {
-  if (wanted > MAX_WORKERS) wanted = MAX_WORKERS;
-  while (pool.workers < wanted) {
-    pthread_t id;
-    if (pthread_create(&id, NULL, worker_main, NULL) != 0) return; /* fewer threads, still correct */
-    pthread_detach(id);
-    pool.workers++;
-  }
-}
-
-/* fn(args, b) for b in [0, blocks), spread over up to `threads` threads (the caller is one). */
-void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads) {
-  if (threads <= 1 || blocks <= 1) {
-    for (int64_t b = 0; b < blocks; ++b) fn(args, b);
-    return;
-  }
-  pthread_mutex_lock(&pool.run_lock);
-  ensure_workers(threads - 1);
-  pool.fn = fn;
-  pool.args = args;
-  pool.blocks = blocks;
-  atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-  uint32_t gen = ++pool.generation;
-  atomic_store_explicit(&pool.claim, (uint64_t)gen << 32, memory_order_release);
-  pthread_mutex_lock(&pool.lock);
-  if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
-  pthread_mutex_unlock(&pool.lock);
-  work(gen);
-  /* Only blocks already claimed by a worker are left: wait for those, yielding now and then
-     in case that worker shares this core. */
-  for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < blocks; ++spins) {
-    if (spins % 64 == 63) sched_yield(); else _mm_pause();
-  }
-  pthread_mutex_unlock(&pool.run_lock);
-}
 
 typedef struct {
   const void *W; const float *scale; int form; const float *x; float *y;

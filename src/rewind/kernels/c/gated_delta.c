@@ -4,7 +4,7 @@
    Why: mlx-lm has a Metal kernel for it and nothing else; on the CPU (and CUDA) it falls back to
    a Python loop that builds and runs a small graph per token per layer. On a Qwen 3.5 0.8B-sized
    model that loop was about half of a prefill's time on 2 cores. Here each (batch row, value
-   head) is one work item over the thread pool (cpu_kernels.c), its [Dv, Dk] state stays in
+   head) is one work item over the thread pool (pool.c), its [Dv, Dk] state stays in
    cache for the whole chunk, and each step reads and writes every state row once:
 
      S = S * g                      (g a scalar per head, or a vector over Dk)
@@ -17,9 +17,6 @@
 #include <string.h>
 
 #include "simd.h"
-
-typedef void (*BlockFn)(const void *args, int64_t block);
-void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads);
 
 typedef struct {
   const float *q, *k;   /* [B, T, Hk, Dk] */

@@ -116,7 +116,7 @@ static inline vf vexp(vf x) {
   return zero_below(MUL(y, pow2i(n)), x, bound);
 }
 
-/* fn(args, b) for b in [0, blocks), spread over up to `threads` threads (cpu_kernels.c). */
+/* fn(args, b) for b in [0, blocks), spread over up to `threads` threads (pool.c). */
 typedef void (*BlockFn)(const void *args, int64_t block);
 void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads);
 
