@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from rewind.kernels import native
+from rewind.kernels import boundary, native
 from rewind.kernels.cpu_attention import attention
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(native.load_kernels() is None or mx.default_device() != mx.cpu,
@@ -90,8 +90,9 @@ def test_mlx_layers_use_the_kernel_and_give_the_same_answer(tiny_model_path, mon
     loaded = load_model(str(tiny_model_path("qwen3_5")))
     prompt = mx.array([list(range(3, 150))])
     calls = []
-    original = native.load_kernels().attention
-    monkeypatch.setattr(native.load_kernels(), "attention", lambda a: calls.append(1) or original(a))
+    original = boundary.kernels().attention
+    monkeypatch.setattr(boundary.kernels(), "attention",
+                        lambda *args: calls.append(1) or original(*args))
     with_kernel = loaded.model(prompt, cache=make_prompt_cache(loaded.model))
     mx.eval(with_kernel)
     assert calls  # the kernel ran

@@ -9,7 +9,6 @@ blocks, in a continuous batch of rows at different positions, and after a trimme
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.config import EngineConfig
 from rewind.engine import Engine, GenerationRequest, SamplingParams
-from rewind.kernels import native
+from rewind.kernels import boundary, native
+from rewind.kernels.boundary import KernelCallError, MatrixArgs
 from rewind.engine.forward import last_logits
 from rewind.kernels.native_forward import (install_native_forward, native_forward,
                                           remove_native_forward)
@@ -262,7 +262,7 @@ def test_unsupported_family_and_off_keep_mlx(tiny_model_path) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 def test_matvec_matches_numpy(form: str, rows: int) -> None:
     """Odd sizes: output rows not a multiple of the 4-row block, inputs not of the vector width."""
-    kernels = native.load_kernels()
+    kernels = boundary.kernels()
     rng = np.random.default_rng(rows)
     out_dim, in_dim = 37, 70
     weight = rng.standard_normal((out_dim, in_dim)).astype(np.float32)
@@ -278,12 +278,8 @@ def test_matvec_matches_numpy(form: str, rows: int) -> None:
     else:
         stored = weight
     y = np.empty((rows, out_dim), np.float32)
-    status = kernels.matvec(stored.ctypes.data, None if scale is None else scale.ctypes.data,
-                            native.FORMS[form], x.ctypes.data, y.ctypes.data, out_dim, in_dim,
-                            rows, 2)
-    assert status == 0
+    matrix = MatrixArgs.build(stored, native.FORMS[form], scale)
+    kernels.matvec(matrix, x, y, 2)
     np.testing.assert_allclose(y, x @ weight.T, rtol=1e-5, atol=1e-4)
-    bad = kernels.matvec(stored.ctypes.data, None, native.FORMS[form], x.ctypes.data,
-                         y.ctypes.data, out_dim, in_dim, 0, 2)
-    assert bad != 0  # no rows is refused, not read out of bounds
-    assert isinstance(kernels, ctypes.CDLL)
+    with pytest.raises(KernelCallError, match="x"):
+        kernels.matvec(matrix, x[:0], y, 2)  # no rows is refused, not read out of bounds

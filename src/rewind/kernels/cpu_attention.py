@@ -13,20 +13,15 @@ blocks with an online softmax and skips the blocks a mask rules out.
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from rewind import env
-from rewind.kernels import native
+from rewind.kernels import boundary, native
 
 _KV_FORMS = {mx.float32: native.FORM_F32, mx.bfloat16: native.FORM_BF16}
-
-
-def _strides(array: np.ndarray) -> native.Strides4:
-    return native.Strides4(*(s // array.itemsize for s in array.strides))
 
 
 def _host(array: mx.array) -> np.ndarray:
@@ -72,24 +67,18 @@ def attention_into(queries: np.ndarray, keys: mx.array, values: mx.array, scale:
     (see `supported`); `out` is then untouched."""
     if not supported(queries, keys, values):
         return False
-    batch, heads, length, dim = queries.shape
-    kv_heads, total = keys.shape[1], keys.shape[2]
+    batch, heads, length, _ = queries.shape
+    total = keys.shape[2]
     kind, mask_array = _mask_arguments(mask, (batch, heads, length, total))
     mx.eval(keys, values, *([] if mask_array is None else [mask_array]))
+    # Views of the evaluated MLX arrays, held in this frame (with the arrays they view) until
+    # the kernel returns: the boundary checks each against what the kernel indexes.
     k, v = _host(keys), _host(values)
     if k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize:
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     m = None if mask_array is None else _host(mask_array)
-    args = native.Attention(
-        q=queries.ctypes.data, k=k.ctypes.data, v=v.ctypes.data,
-        qs=_strides(queries), ks=_strides(k), vs=_strides(v),
-        mask=None if m is None else m.ctypes.data,
-        ms=native.Strides4(0, 0, 0, 0) if m is None else _strides(m), mask_kind=kind,
-        out=out.ctypes.data, os=_strides(out),
-        B=batch, heads=heads, kv_heads=kv_heads, L=length, S=total, D=dim,
-        scale=float(scale), kv_form=_KV_FORMS[keys.dtype],
-        threads=threads or native.kernel_threads())
-    return native.load_kernels().attention(ctypes.byref(args)) == 0
+    return boundary.kernels().attention(queries, k, v, _KV_FORMS[keys.dtype], m, kind, out,
+                                        scale, threads or native.kernel_threads())
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

@@ -4,12 +4,10 @@ CPU: what mlx-lm's `gated_delta_ops` computes, without its Python loop of per-to
 
 from __future__ import annotations
 
-import ctypes
-
 import mlx.core as mx
 import numpy as np
 
-from rewind.kernels import native
+from rewind.kernels import boundary, native
 
 
 def _host(array: mx.array) -> np.ndarray:
@@ -38,14 +36,6 @@ def recurrence(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
     host_mask = None if mask is None else np.ascontiguousarray(
         np.array(mx.broadcast_to(mask, (batch, steps)).astype(mx.uint8)))
     out = np.empty((batch, steps, value_heads, value_dim), np.float32)
-    args = native.GatedDelta(
-        q=host_q.ctypes.data, k=host_k.ctypes.data, v=host_v.ctypes.data,
-        g=host_g.ctypes.data, beta=host_beta.ctypes.data,
-        mask=None if host_mask is None else host_mask.ctypes.data,
-        state=host_state.ctypes.data, y=out.ctypes.data,
-        B=batch, T=steps, Hk=key_heads, Hv=value_heads, Dk=key_dim, Dv=value_dim,
-        g_per_key=int(g.ndim == 4), threads=threads or native.kernel_threads())
-    if native.load_kernels().gated_delta(ctypes.byref(args)) != 0:
-        raise ValueError(f"gated delta kernel: {value_heads} value heads do not group over "
-                         f"{key_heads} key heads")
+    boundary.kernels().gated_delta(host_q, host_k, host_v, host_g, host_beta, host_mask,
+                                   host_state, out, threads or native.kernel_threads())
     return mx.array(out).astype(q.dtype), mx.array(host_state)

@@ -13,7 +13,6 @@ Without a compiler or AVX2 `build_kernel` returns None and the model keeps its M
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -21,16 +20,18 @@ import numpy as np
 
 from rewind.kernels.backend import ObjectTable
 
-from rewind.kernels.native import FORMS, int8_rows, kernel_threads, load_kernels
+from rewind.kernels.boundary import Kernels, MatrixArgs, kernels
+from rewind.kernels.native import FORMS, int8_rows, kernel_threads
 from rewind.kernels.native_forward import host_view
 
 HeadForm = Literal["bf16", "int8"]
 HEAD_FORMS: tuple[str, ...] = ("bf16", "int8")
 
 
-def build_kernel() -> ctypes.CDLL | None:
-    """The compiled CPU kernels (rewind.kernels.native), or None where they cannot be built."""
-    return load_kernels()
+def build_kernel() -> Kernels | None:
+    """The compiled CPU kernels behind their checked boundary, or None where they cannot be
+    built."""
+    return kernels()
 
 
 class CpuHead:
@@ -40,7 +41,7 @@ class CpuHead:
     materialized float32 mx.array of logits.
     """
 
-    def __init__(self, weight: mx.array, form: HeadForm, kernel: ctypes.CDLL,
+    def __init__(self, weight: mx.array, form: HeadForm, kernel: Kernels,
                  threads: int | None = None) -> None:
         self.form = form
         self.vocab, self.dim = weight.shape
@@ -60,6 +61,7 @@ class CpuHead:
             self._weight, self._row_scale = int8_rows(weight)
         else:
             raise ValueError(f"unknown head form {form!r}; expected one of {HEAD_FORMS}")
+        self._matrix = MatrixArgs.build(self._weight, FORMS[form], self._row_scale)
 
     @property
     def own_bytes(self) -> int:
@@ -79,12 +81,7 @@ class CpuHead:
         """float32 rows [m, dim] -> logits [m, vocab] as a NumPy array."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         out = np.empty((rows.shape[0], self.vocab), dtype=np.float32)
-        scale_ptr = None if self._row_scale is None else self._row_scale.ctypes.data
-        status = self._kernel.matvec(self._weight.ctypes.data, scale_ptr, FORMS[self.form],
-                                     rows.ctypes.data, out.ctypes.data, self.vocab, self.dim,
-                                     rows.shape[0], self.threads)
-        if status != 0:
-            raise RuntimeError(f"matvec failed with status {status}")
+        self._kernel.matvec(self._matrix, rows, out, self.threads)
         return out
 
 

@@ -33,7 +33,6 @@ path; `install_native_forward` returns None for it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ import numpy as np
 
 from rewind.kernels import native
 from rewind.kernels.backend import ObjectTable
+from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
 from rewind.kernels.cpu_attention import attention_into
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,8 @@ def host_view(array: mx.array) -> np.ndarray:
 
 
 class _Matrix:
-    """Linear layers stacked along their outputs, in the kernels' form, kept alive with the
-    ctypes struct that points at them."""
+    """Linear layers stacked along their outputs, in the kernels' form, as checked `MatrixArgs`
+    (which own the arrays their struct points into)."""
 
     def __init__(self, modules: list[nn.Linear], form: str) -> None:
         parts = [m.weight for m in modules]
@@ -140,10 +140,7 @@ class _Matrix:
                       for m, b in zip(modules, biases)]
             self.bias = np.ascontiguousarray(
                 np.array(mx.concatenate([b.astype(mx.float32) for b in filled])))
-        self.struct = native.Matrix(self.weight.ctypes.data,
-                                    None if self.scale is None else self.scale.ctypes.data,
-                                    None if self.bias is None else self.bias.ctypes.data,
-                                    native.FORMS[form])
+        self.args = MatrixArgs.build(self.weight, native.FORMS[form], self.scale, self.bias)
 
     @property
     def nbytes(self) -> int:
@@ -155,10 +152,6 @@ def _vector(weight: mx.array | None, plus_one: bool) -> np.ndarray | None:
         return None
     value = weight.astype(mx.float32)
     return np.ascontiguousarray(np.array(value + 1.0 if plus_one else value))
-
-
-def _pointer(array: np.ndarray | None) -> int | None:
-    return None if array is None else array.ctypes.data
 
 
 def _rope_frequencies(rope: Any) -> tuple[np.ndarray, float]:
@@ -216,16 +209,15 @@ class _NativeLayer:
             "pre_ff_norm": _vector(pre_ff.weight, plus_one),
             "post_ff_norm": _vector(None if post_ff is None else post_ff.weight, plus_one),
         }
-        v = {name: _pointer(array) for name, array in self.vectors.items()}
-        self.struct = native.Layer(v["input_norm"], self.qkv.struct, v["q_norm"], v["k_norm"],
-                                   self.o.struct, v["post_attn_norm"], v["pre_ff_norm"],
-                                   self.gate_up.struct, self.down.struct, v["post_ff_norm"])
         dims = int(rope.dims)
         activation = native.ACT_GELU_TANH if family.gemma else native.ACT_SILU
-        self.shape = native.Shape(self.hidden, self.heads, self.kv_heads, self.head_dim,
-                                  self.intermediate, dims, activation, threads, eps,
-                                  rope_scale, int(bool(rope.traditional)))
-        self.width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        shape = native.Shape(self.hidden, self.heads, self.kv_heads, self.head_dim,
+                             self.intermediate, dims, activation, threads, eps,
+                             rope_scale, int(bool(rope.traditional)))
+        matrices = {"qkv": self.qkv.args, "o": self.o.args, "gate_up": self.gate_up.args,
+                    "down": self.down.args}
+        self.args = LayerArgs.build(shape, self.vectors, matrices, self.inv_freq)
+        self.width = self.args.width
 
     @property
     def nbytes(self) -> int:
@@ -274,7 +266,7 @@ class NativeForward:
     """forward(inputs [B, L], cache, input_embeddings) -> the backbone's output [B, L, hidden]
     (final norm applied), float32, with `cache` advanced exactly as the MLX path would."""
 
-    def __init__(self, backbone: Any, form: str, kernels: ctypes.CDLL,
+    def __init__(self, backbone: Any, form: str, kernels: Kernels,
                  threads: int | None = None) -> None:
         family = _family(backbone)
         self.form = form
@@ -313,17 +305,21 @@ class NativeForward:
             costs.append((work + 2 * layer.heads * layer.head_dim * keys) / unit)
         return costs
 
-    def _buffers(self, rows: int) -> tuple[np.ndarray, ...]:
-        """Work space for `rows` token rows (projections, layer scratch, attention output),
-        grown to the largest call and reused."""
-        if not self._scratch or self._scratch[0].shape[0] < rows:
-            widest = max(layer.width for layer in self.layers)
-            scratch = max(self.hidden_size + 3 * layer.intermediate for layer in self.layers)
-            attended = max(layer.heads * layer.head_dim for layer in self.layers)
-            self._scratch = (np.empty((rows, widest), np.float32),
-                             np.empty((rows, scratch), np.float32),
-                             np.empty((rows, attended), np.float32))
-        return tuple(buffer[:rows] for buffer in self._scratch)
+    def _buffers(self, rows: int, layer: _NativeLayer) -> tuple[np.ndarray, ...]:
+        """Work space for `rows` token rows of `layer`, each C-ordered in the layer's own widths
+        (the kernels index them so): the projections [rows, width], the layer_post scratch
+        [rows, hidden + 3 intermediate] and the attention output [rows, heads * head_dim].
+        Flat buffers grown to the largest call and reused."""
+        widths = (layer.width, self.hidden_size + 3 * layer.intermediate,
+                  layer.heads * layer.head_dim)
+        if not self._scratch or any(buffer.size < rows * width
+                                    for buffer, width in zip(self._scratch, widths)):
+            widest = (max(layer.width for layer in self.layers),
+                      max(self.hidden_size + 3 * layer.intermediate for layer in self.layers),
+                      max(layer.heads * layer.head_dim for layer in self.layers))
+            self._scratch = tuple(np.empty(rows * width, np.float32) for width in widest)
+        return tuple(buffer[:rows * width].reshape(rows, width)
+                     for buffer, width in zip(self._scratch, widths))
 
     def _masks(self, batch: int, length: int, cache: list[Any] | None) -> dict[bool, Any]:
         """The masks mlx-lm's backbone would build: one for full attention, one for windows."""
@@ -399,14 +395,11 @@ class NativeForward:
                      else np.concatenate([block.x for block in active]))
             layer = self.layers[index]
             rows = x.shape[0]
-            qkv, scratch, attended = self._buffers(rows)
+            qkv, scratch, attended = self._buffers(rows, layer)
             positions = (members[0].positions if len(members) == 1
                          else np.concatenate([block.positions for block in members]))
-            status = k.layer_pre(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
-                                 x.ctypes.data, rows, positions.ctypes.data,
-                                 layer.inv_freq.ctypes.data, qkv.ctypes.data, scratch.ctypes.data)
-            if status:
-                raise RuntimeError(f"layer_pre failed with status {status}")
+            k.layer_pre(layer.args, x, positions, qkv,
+                        scratch.reshape(-1)[:rows * self.hidden_size].reshape(rows, -1))
             first = 0
             for block in members:
                 last = first + block.rows
@@ -414,11 +407,7 @@ class NativeForward:
                                 block.masks[layer.sliding], qkv[first:last],
                                 attended[first:last], block.batch, block.length)
                 first = last
-            status = k.layer_post(ctypes.byref(layer.struct), ctypes.byref(layer.shape),
-                                  x.ctypes.data, rows, attended.ctypes.data,
-                                  scratch.ctypes.data)
-            if status:
-                raise RuntimeError(f"layer_post failed with status {status}")
+            k.layer_post(layer.args, x, attended, scratch)
             for block in members:
                 block.done = index + 1
         _scatter(x, members)
@@ -428,8 +417,7 @@ class NativeForward:
         if block.done != len(self.layers):
             raise ValueError(f"the block passed {block.done} of {len(self.layers)} layers")
         normed = np.empty_like(block.x)
-        self._kernels.rows_rms_norm(block.x.ctypes.data, self.norm.ctypes.data, self.eps,
-                                    block.rows, self.hidden_size, normed.ctypes.data)
+        self._kernels.rows_rms_norm(block.x, self.norm, self.eps, normed)
         return mx.array(normed).reshape(block.batch, block.length, self.hidden_size)
 
     @staticmethod
@@ -437,23 +425,19 @@ class NativeForward:
                    attended: np.ndarray, batch: int, length: int) -> None:
         """attended [rows, heads * D] = attention of the projected rows in `qkv`, after the new
         keys and values went into the cache."""
-        from numpy.lib.stride_tricks import as_strided
-
-        heads, kv, dim, width = layer.heads, layer.kv_heads, layer.head_dim, qkv.shape[1]
-        item = qkv.itemsize
-
-        def heads_view(buffer: np.ndarray, first: int, count: int, row_width: int) -> np.ndarray:
-            """[B, count, L, D] view of heads first.. of each row, no copy."""
-            return as_strided(buffer[:, first * dim:], shape=(batch, count, length, dim),
-                              strides=(length * row_width * item, dim * item, row_width * item,
-                                       item))
-
-        keys = mx.array(heads_view(qkv, heads, kv, width), KV_DTYPE)
-        values = mx.array(heads_view(qkv, heads + kv, kv, width), KV_DTYPE)
+        heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
+        if qkv.shape != (batch * length, layer.width) or \
+                attended.shape != (batch * length, heads * dim):
+            raise ValueError(f"attention rows: qkv {qkv.shape} and output {attended.shape} for "
+                             f"{batch} x {length} rows of width {layer.width}")
+        # [B, heads, L, D] views of each row's heads, no copy: NumPy works out the strides.
+        by_head = qkv.reshape(batch, length, heads + 2 * kv, dim).transpose(0, 2, 1, 3)
+        keys = mx.array(by_head[:, heads:heads + kv], KV_DTYPE)
+        values = mx.array(by_head[:, heads + kv:], KV_DTYPE)
         if layer_cache is not None:
             keys, values = layer_cache.update_and_fetch(keys, values)
-        queries = heads_view(qkv, 0, heads, width)
-        out = heads_view(attended, 0, heads, heads * dim)
+        queries = by_head[:, :heads]
+        out = attended.reshape(batch, length, heads, dim).transpose(0, 2, 1, 3)
         if attention_into(queries, keys, values, layer.scale, mask, out):
             return
         # MLX's attention, e.g. for a quantized KV cache.
@@ -515,7 +499,9 @@ def install_native_forward(model: Any, form: str | None = None) -> NativeForward
     form = requested_form(form)
     if form == "off":
         return None
-    kernels = native.load_kernels()
+    from rewind.kernels import boundary
+
+    kernels = boundary.kernels()
     split = split_model(model)
     if kernels is None or split is None:
         return None

@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from rewind.kernels import native
+from rewind.kernels import boundary, native
+from rewind.kernels.boundary import MatrixArgs
 
 
 class NativeLinear(nn.Module):
@@ -32,9 +33,8 @@ class NativeLinear(nn.Module):
         # Outside the parameter tree (a leading underscore): the loader's float32 widening and
         # dtype casts must leave the stored weight alone.
         self._weight = weight
-        self._host = np.asarray(weight.view(mx.uint16))  # no copy: the kernel reads it in place
-        if not self._host.flags.c_contiguous:
-            self._host = np.ascontiguousarray(self._host)
+        host = np.asarray(weight.view(mx.uint16))  # no copy: the kernel reads it in place
+        self._matrix = MatrixArgs.build(np.ascontiguousarray(host), native.FORM_BF16)
         self._bias = (np.array(linear.bias.astype(mx.float32)) if "bias" in linear else None)
         self.out_features, self.in_features = (int(n) for n in weight.shape)
 
@@ -54,18 +54,14 @@ class NativeLinear(nn.Module):
         if not host_x.flags.c_contiguous:
             host_x = np.ascontiguousarray(host_x)
         out = np.empty((rows, self.out_features), np.float32)
-        status = native.load_kernels().matvec(
-            self._host.ctypes.data, None, native.FORM_BF16, host_x.ctypes.data, out.ctypes.data,
-            self.out_features, self.in_features, rows, native.kernel_threads())
-        if status != 0:
-            raise ValueError(f"matvec refused a [{rows}, {self.in_features}] input")
+        boundary.kernels().matvec(self._matrix, host_x, out, native.kernel_threads())
         if self._bias is not None:
             out += self._bias
         return mx.array(out).reshape(*lead, self.out_features)
 
     @property
     def nbytes(self) -> int:
-        return int(self._host.nbytes)
+        return int(self._matrix.weight.nbytes)
 
 
 def use_in_model(model: Any) -> int:

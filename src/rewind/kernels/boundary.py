@@ -1,0 +1,326 @@
+"""The one door to the compiled CPU kernels: every call goes through `Kernels`, which checks each
+buffer against what the C code will read or write before passing a pointer.
+
+The rule for memory that native code reads (issue 23):
+- A kernel reads and writes only NumPy arrays handed to the method that calls it (NumPy views
+  of evaluated MLX arrays included: such a view holds the MLX array, and so its buffer). The
+  method holds every one of them in its frame until the C call returns, and the C call returns
+  only when every thread of the kernels' pool has finished with them (pool.c).
+- Long-lived buffers (weights, norm vectors, RoPE frequencies) are checked once, when their
+  `MatrixArgs` / `LayerArgs` are built; those objects own the arrays their structs point into,
+  and every call that uses a struct holds its object.
+- Before each call: the dtype, the exact shape the C code indexes, the strides (C order, or a
+  unit last stride where the kernel takes strides), a writable buffer for outputs, a non-null
+  pointer, and the whole extent of each view inside the memory its owning array holds (an
+  `as_strided` view can point anywhere; this catches it). A bad call raises `KernelCallError`;
+  nothing is read.
+- Nothing else in Rewind calls the library's functions or takes a kernel pointer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from rewind.kernels import native
+
+_F32, _I64, _U8 = np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.uint8)
+_WEIGHT_DTYPES = {native.FORM_F32: _F32, native.FORM_BF16: np.dtype(np.uint16),
+                  native.FORM_INT8: np.dtype(np.int8)}
+_KV_DTYPES = {native.FORM_F32: _F32, native.FORM_BF16: np.dtype(np.uint16)}
+
+
+class KernelCallError(ValueError):
+    """A kernel call whose buffers do not match what the kernel would read or write."""
+
+
+def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
+    """[low, high) of the memory held by the array at the root of `array`'s chain of views
+    (through as_strided's wrapper objects too)."""
+    owner, base = array, array.base
+    while base is not None:
+        if isinstance(base, np.ndarray):
+            owner = base
+        base = getattr(base, "base", None)
+    return _extent(owner)
+
+
+def _extent(array: np.ndarray) -> tuple[int, int]:
+    """[low, high) of the bytes a view of `array`'s shape and strides touches."""
+    low = high = array.__array_interface__["data"][0]
+    for count, stride in zip(array.shape, array.strides):
+        if count == 0:
+            return low, low
+        if stride < 0:
+            low += (count - 1) * stride
+        else:
+            high += (count - 1) * stride
+    return low, high + array.itemsize
+
+
+def checked(array: object, name: str, dtype: np.dtype, shape: tuple[int, ...], *,
+            writes: bool = False, strided: bool = False) -> int:
+    """The address of `array` after checking it is what a kernel indexes as `name`: `dtype`,
+    exactly `shape`, C order (or, with `strided`, any non-negative strides with a unit last one,
+    zero for broadcast axes), writable if the kernel `writes` it, and within its owner's memory."""
+    if not isinstance(array, np.ndarray):
+        raise KernelCallError(f"{name}: expected a NumPy array, got {type(array).__name__}")
+    if array.dtype != dtype:
+        raise KernelCallError(f"{name}: dtype {array.dtype}, the kernel reads {dtype}")
+    if array.shape != shape:
+        raise KernelCallError(f"{name}: shape {array.shape}, the kernel indexes {shape}")
+    if writes and not array.flags.writeable:
+        raise KernelCallError(f"{name}: read-only, the kernel writes it")
+    if strided:
+        strides = array.strides
+        if any(s < 0 or s % array.itemsize for s in strides) or (
+                shape and shape[-1] > 1 and strides[-1] != array.itemsize):
+            raise KernelCallError(f"{name}: strides {strides} (unit last stride, none negative)")
+    elif not array.flags.c_contiguous:
+        raise KernelCallError(f"{name}: not C-contiguous (strides {array.strides})")
+    low, high = _extent(array)
+    if array.size and low == 0:
+        raise KernelCallError(f"{name}: null buffer")
+    owner_low, owner_high = _owner_bounds(array)
+    if low < owner_low or high > owner_high:
+        raise KernelCallError(f"{name}: its view reaches [{low:#x}, {high:#x}) outside its "
+                              f"buffer [{owner_low:#x}, {owner_high:#x})")
+    return array.__array_interface__["data"][0]
+
+
+def _optional(array: np.ndarray | None, name: str, dtype: np.dtype,
+              shape: tuple[int, ...]) -> int | None:
+    return None if array is None else checked(array, name, dtype, shape)
+
+
+def element_strides(array: np.ndarray) -> native.Strides4:
+    return native.Strides4(*(s // array.itemsize for s in array.strides))
+
+
+@dataclass(frozen=True)
+class MatrixArgs:
+    """A weight matrix [rows, cols] in a kernel form, with its per-row scale (int8) and bias, and
+    the struct that points at them: the object owns what the struct points into."""
+
+    weight: np.ndarray
+    form: int
+    scale: np.ndarray | None
+    bias: np.ndarray | None
+    struct: native.Matrix
+
+    @property
+    def rows(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.weight.shape[1])
+
+    @classmethod
+    def build(cls, weight: np.ndarray, form: int, scale: np.ndarray | None = None,
+              bias: np.ndarray | None = None) -> "MatrixArgs":
+        if form not in _WEIGHT_DTYPES or getattr(weight, "ndim", 0) != 2:
+            raise KernelCallError(f"weight: a 2-D matrix in a kernel form, got form {form}")
+        rows, cols = weight.shape
+        if (form == native.FORM_INT8) != (scale is not None):
+            raise KernelCallError("weight: int8 needs one scale per row, the other forms none")
+        struct = native.Matrix(checked(weight, "weight", _WEIGHT_DTYPES[form], (rows, cols)),
+                               _optional(scale, "scale", _F32, (rows,)),
+                               _optional(bias, "bias", _F32, (rows,)), form)
+        return cls(weight, form, scale, bias, struct)
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """One layer's weights for layer_pre / layer_post, checked against its shape once; the
+    object owns every array its struct points into."""
+
+    shape: native.Shape
+    vectors: dict[str, np.ndarray | None]
+    matrices: dict[str, MatrixArgs]
+    inv_freq: np.ndarray
+    struct: native.Layer
+
+    @property
+    def width(self) -> int:
+        """The stacked q/k/v projection's outputs a row."""
+        s = self.shape
+        return int((s.heads + 2 * s.kv_heads) * s.head_dim)
+
+    @classmethod
+    def build(cls, shape: native.Shape, vectors: dict[str, np.ndarray | None],
+              matrices: dict[str, MatrixArgs], inv_freq: np.ndarray) -> "LayerArgs":
+        H, D, I = shape.hidden, shape.head_dim, shape.intermediate
+        if min(H, D, I, shape.heads, shape.kv_heads, shape.threads) < 1 or \
+                shape.heads % shape.kv_heads or not 0 <= shape.rope_dims <= D or \
+                shape.rope_dims % 2 or shape.rope_dims > 1024:
+            raise KernelCallError(f"layer shape: hidden {H}, heads {shape.heads}/"
+                                  f"{shape.kv_heads}, head_dim {D}, rope_dims {shape.rope_dims}")
+        lengths = {"input_norm": H, "q_norm": D, "k_norm": D, "post_attn_norm": H,
+                   "pre_ff_norm": H, "post_ff_norm": H}
+        required = ("input_norm", "pre_ff_norm")
+        pointers = {}
+        for name, length in lengths.items():
+            vector = vectors.get(name)
+            if vector is None and name in required:
+                raise KernelCallError(f"{name}: required")
+            pointers[name] = _optional(vector, name, _F32, (length,))
+        expected = {"qkv": ((shape.heads + 2 * shape.kv_heads) * D, H),
+                    "o": (H, shape.heads * D), "gate_up": (2 * I, H), "down": (H, I)}
+        for name, dims in expected.items():
+            matrix = matrices[name]
+            if (matrix.rows, matrix.cols) != dims:
+                raise KernelCallError(f"{name}: [{matrix.rows}, {matrix.cols}], the layer "
+                                      f"needs {list(dims)}")
+        checked(inv_freq, "inv_freq", _F32, (shape.rope_dims // 2,))
+        struct = native.Layer(pointers["input_norm"], matrices["qkv"].struct,
+                              pointers["q_norm"], pointers["k_norm"], matrices["o"].struct,
+                              pointers["post_attn_norm"], pointers["pre_ff_norm"],
+                              matrices["gate_up"].struct, matrices["down"].struct,
+                              pointers["post_ff_norm"])
+        return cls(shape, dict(vectors), dict(matrices), inv_freq, struct)
+
+
+def _status(name: str, status: int) -> None:
+    if status:
+        raise KernelCallError(f"{name} refused the call (status {status})")
+
+
+class Kernels:
+    """The compiled kernels behind checked methods (see the module's rule)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
+        self.vector_width = native.vector_width()
+
+    def matvec(self, matrix: MatrixArgs, x: np.ndarray, out: np.ndarray,
+               threads: int) -> None:
+        """out [m, rows] = x [m, cols] @ weight.T (times the row scales), float32."""
+        m = int(x.shape[0]) if getattr(x, "ndim", 0) == 2 else -1
+        if m < 1:
+            raise KernelCallError(f"x: expected [rows, {matrix.cols}] float32 rows")
+        status = self._library.matvec(
+            matrix.struct.weight, matrix.struct.scale, matrix.form,
+            checked(x, "x", _F32, (m, matrix.cols)),
+            checked(out, "out", _F32, (m, matrix.rows), writes=True),
+            matrix.rows, matrix.cols, m, max(1, threads))
+        _status("matvec", status)
+
+    def layer_pre(self, layer: LayerArgs, x: np.ndarray, positions: np.ndarray,
+                  qkv_out: np.ndarray, scratch: np.ndarray) -> None:
+        """qkv_out [m, width] = RoPE(norms(qkv(norm(x)))) at each row's position."""
+        H = layer.shape.hidden
+        m = int(x.shape[0]) if getattr(x, "ndim", 0) == 2 else -1
+        if m < 1:
+            raise KernelCallError(f"x: expected [rows, {H}] float32 rows")
+        _status("layer_pre", self._library.layer_pre(
+            ctypes.byref(layer.struct), ctypes.byref(layer.shape),
+            checked(x, "x", _F32, (m, H)), m,
+            checked(positions, "positions", _I64, (m,)),
+            layer.inv_freq.__array_interface__["data"][0],
+            checked(qkv_out, "qkv_out", _F32, (m, layer.width), writes=True),
+            checked(scratch, "scratch", _F32, (m, H), writes=True)))
+
+    def layer_post(self, layer: LayerArgs, x: np.ndarray, attended: np.ndarray,
+                   scratch: np.ndarray) -> None:
+        """x [m, H] += the attention output's projection and the MLP, in place."""
+        s = layer.shape
+        m = int(x.shape[0]) if getattr(x, "ndim", 0) == 2 else -1
+        if m < 1:
+            raise KernelCallError(f"x: expected [rows, {s.hidden}] float32 rows")
+        _status("layer_post", self._library.layer_post(
+            ctypes.byref(layer.struct), ctypes.byref(layer.shape),
+            checked(x, "x", _F32, (m, s.hidden), writes=True), m,
+            checked(attended, "attended", _F32, (m, s.heads * s.head_dim)),
+            checked(scratch, "scratch", _F32, (m, s.hidden + 3 * s.intermediate), writes=True)))
+
+    def rows_rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
+                      out: np.ndarray) -> None:
+        m, n = x.shape if getattr(x, "ndim", 0) == 2 else (-1, -1)
+        if m < 1:
+            raise KernelCallError("x: expected [rows, n] float32 rows")
+        _status("rows_rms_norm", self._library.rows_rms_norm(
+            checked(x, "x", _F32, (m, n)), checked(weight, "weight", _F32, (n,)), eps, m, n,
+            checked(out, "out", _F32, (m, n), writes=True)))
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_form: int,
+                  mask: np.ndarray | None, mask_kind: int, out: np.ndarray, scale: float,
+                  threads: int) -> bool:
+        """out [B, heads, L, D] = softmax(scale q k^T + mask) v; q, out float32 and k, v
+        [B, kv_heads, S, D] in `kv_form`, each with any strides whose last is one. False where
+        the kernel does not take the shapes (e.g. a head size its vectors do not divide)."""
+        if getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
+            raise KernelCallError("attention: q and k must be [B, heads, L, D] arrays")
+        batch, heads, length, dim = q.shape
+        kv_heads, total = k.shape[1], k.shape[2]
+        if min(batch, heads, length, dim, kv_heads, total) < 1 or heads % kv_heads:
+            raise KernelCallError(f"attention: q {q.shape} against k {k.shape}")
+        if dim % self.vector_width or kv_form not in _KV_DTYPES:
+            return False
+        kv_dtype = _KV_DTYPES[kv_form]
+        if mask_kind in (native.MASK_NONE, native.MASK_CAUSAL):
+            if mask is not None:
+                raise KernelCallError("attention: a mask array with a mask kind that reads none")
+            mask_pointer, mask_strides = None, native.Strides4(0, 0, 0, 0)
+        elif mask_kind in (native.MASK_BOOL, native.MASK_ADD):
+            mask_dtype = np.dtype(np.bool_) if mask_kind == native.MASK_BOOL else _F32
+            mask_pointer = checked(mask, "mask", mask_dtype, (batch, heads, length, total),
+                                   strided=True)
+            mask_strides = element_strides(mask)
+        else:
+            raise KernelCallError(f"attention: unknown mask kind {mask_kind}")
+        args = native.Attention(
+            q=checked(q, "q", _F32, (batch, heads, length, dim), strided=True),
+            k=checked(k, "k", kv_dtype, (batch, kv_heads, total, dim), strided=True),
+            v=checked(v, "v", kv_dtype, (batch, kv_heads, total, dim), strided=True),
+            qs=element_strides(q), ks=element_strides(k), vs=element_strides(v),
+            mask=mask_pointer, ms=mask_strides, mask_kind=mask_kind,
+            out=checked(out, "out", _F32, (batch, heads, length, dim), writes=True,
+                        strided=True),
+            os=element_strides(out), B=batch, heads=heads, kv_heads=kv_heads, L=length,
+            S=total, D=dim, scale=float(scale), kv_form=kv_form, threads=max(1, threads))
+        return self._library.attention(ctypes.byref(args)) == 0
+
+    def gated_delta(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                    beta: np.ndarray, mask: np.ndarray | None, state: np.ndarray,
+                    y: np.ndarray, threads: int) -> None:
+        """The gated delta recurrence over T steps: y written, state updated in place."""
+        if getattr(q, "ndim", 0) != 4 or getattr(v, "ndim", 0) != 4:
+            raise KernelCallError("gated_delta: q [B, T, Hk, Dk] and v [B, T, Hv, Dv]")
+        batch, steps, key_heads, key_dim = q.shape
+        value_heads, value_dim = v.shape[2], v.shape[3]
+        if min(batch, steps, key_heads, key_dim, value_heads, value_dim) < 1 or \
+                value_heads % key_heads:
+            raise KernelCallError(f"gated_delta: {value_heads} value heads do not group over "
+                                  f"{key_heads} key heads")
+        per_key = getattr(g, "ndim", 0) == 4
+        g_shape = (batch, steps, value_heads) + ((key_dim,) if per_key else ())
+        args = native.GatedDelta(
+            q=checked(q, "q", _F32, (batch, steps, key_heads, key_dim)),
+            k=checked(k, "k", _F32, (batch, steps, key_heads, key_dim)),
+            v=checked(v, "v", _F32, (batch, steps, value_heads, value_dim)),
+            g=checked(g, "g", _F32, g_shape),
+            beta=checked(beta, "beta", _F32, (batch, steps, value_heads)),
+            mask=_optional(mask, "mask", _U8, (batch, steps)),
+            state=checked(state, "state", _F32, (batch, value_heads, value_dim, key_dim),
+                          writes=True),
+            y=checked(y, "y", _F32, (batch, steps, value_heads, value_dim), writes=True),
+            B=batch, T=steps, Hk=key_heads, Hv=value_heads, Dk=key_dim, Dv=value_dim,
+            g_per_key=int(per_key), threads=max(1, threads))
+        _status("gated_delta", self._library.gated_delta(ctypes.byref(args)))
+
+
+_checked_kernels: Kernels | None = None
+
+
+def kernels() -> Kernels | None:
+    """The checked kernels for this CPU (built on first use), or None where they cannot be."""
+    global _checked_kernels
+    if _checked_kernels is None:
+        library = native.load_kernels()
+        if library is None:
+            return None
+        _checked_kernels = Kernels(library)
+    return _checked_kernels

@@ -1,0 +1,150 @@
+"""The kernels' Python boundary (rewind.kernels.boundary): a call whose buffers do not match what
+the C code would read or write raises KernelCallError, and the kernel never runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import as_strided
+
+from rewind.kernels import boundary, native
+from rewind.kernels.boundary import KernelCallError, LayerArgs, MatrixArgs, checked
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None,
+                                reason="needs x86-64 AVX2 and a C compiler")
+
+F32 = np.dtype(np.float32)
+
+
+def test_a_strided_view_past_its_buffer_is_refused() -> None:
+    """The unchecked `as_strided` views of issue 23: a view whose rows run past the array it
+    views is refused before any pointer is taken."""
+    buffer = np.zeros((4, 64), np.float32)
+    inside = as_strided(buffer[:, 16:], shape=(2, 2, 2, 16), strides=(512, 64, 256, 4))
+    assert checked(inside, "q", F32, (2, 2, 2, 16), strided=True)
+    outside = as_strided(buffer[:, 16:], shape=(2, 2, 4, 16), strides=(512, 64, 256, 4))
+    with pytest.raises(KernelCallError, match="outside its buffer"):
+        checked(outside, "q", F32, (2, 2, 4, 16), strided=True)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.zeros((3, 8), np.float64), "dtype"),
+    (np.zeros((3, 9), np.float32), "shape"),
+    (np.zeros((8, 3), np.float32).T, "C-contiguous"),
+    ([[0.0] * 8] * 3, "NumPy array"),
+])
+def test_wrong_dtype_shape_order_or_type_is_refused(bad: object, match: str) -> None:
+    with pytest.raises(KernelCallError, match=match):
+        checked(bad, "x", F32, (3, 8))
+
+
+def test_an_output_the_kernel_cannot_write_is_refused() -> None:
+    out = np.zeros((2, 4), np.float32)
+    out.flags.writeable = False
+    matrix = MatrixArgs.build(np.ones((4, 8), np.float32), native.FORM_F32)
+    with pytest.raises(KernelCallError, match="read-only"):
+        boundary.kernels().matvec(matrix, np.ones((2, 8), np.float32), out, 2)
+
+
+def test_matvec_checks_rows_against_the_matrix() -> None:
+    kernels = boundary.kernels()
+    matrix = MatrixArgs.build(np.ones((4, 8), np.float32), native.FORM_F32)
+    with pytest.raises(KernelCallError, match="x"):
+        kernels.matvec(matrix, np.ones((2, 7), np.float32), np.zeros((2, 4), np.float32), 2)
+    with pytest.raises(KernelCallError, match="out"):
+        kernels.matvec(matrix, np.ones((3, 8), np.float32), np.zeros((2, 4), np.float32), 2)
+    with pytest.raises(KernelCallError, match="int8 needs one scale"):
+        MatrixArgs.build(np.ones((4, 8), np.int8), native.FORM_INT8)
+    with pytest.raises(KernelCallError, match="dtype"):
+        MatrixArgs.build(np.ones((4, 8), np.float32), native.FORM_BF16)
+    out = np.zeros((3, 4), np.float32)
+    kernels.matvec(matrix, np.ones((3, 8), np.float32), out, 2)
+    assert (out == 8).all()
+
+
+def _layer(hidden: int = 32, heads: int = 2, kv_heads: int = 1, dim: int = 16,
+           intermediate: int = 48, qkv_rows: int | None = None) -> LayerArgs:
+    shape = native.Shape(hidden, heads, kv_heads, dim, intermediate, dim, native.ACT_SILU, 2,
+                         1e-6, 1.0, 0)
+    ones = lambda *dims: np.ones(dims, np.float32)  # noqa: E731
+    matrices = {"qkv": MatrixArgs.build(ones(qkv_rows or (heads + 2 * kv_heads) * dim, hidden),
+                                        native.FORM_F32),
+                "o": MatrixArgs.build(ones(hidden, heads * dim), native.FORM_F32),
+                "gate_up": MatrixArgs.build(ones(2 * intermediate, hidden), native.FORM_F32),
+                "down": MatrixArgs.build(ones(hidden, intermediate), native.FORM_F32)}
+    vectors = {"input_norm": ones(hidden), "pre_ff_norm": ones(hidden)}
+    return LayerArgs.build(shape, vectors, matrices, ones(dim // 2))
+
+
+def test_a_layer_whose_weights_do_not_fit_its_shape_is_refused() -> None:
+    with pytest.raises(KernelCallError, match="qkv"):
+        _layer(qkv_rows=63)
+
+
+def test_layer_calls_check_every_row_buffer() -> None:
+    kernels, layer = boundary.kernels(), _layer()
+    rows = 3
+    x = np.ones((rows, 32), np.float32)
+    positions = np.arange(rows, dtype=np.int64)
+    qkv = np.zeros((rows, layer.width), np.float32)
+    kernels.layer_pre(layer, x, positions, qkv, np.zeros((rows, 32), np.float32))
+    assert np.isfinite(qkv).all() and qkv.any()
+    with pytest.raises(KernelCallError, match="qkv_out"):  # a buffer as wide as another layer's
+        kernels.layer_pre(layer, x, positions, np.zeros((rows, layer.width + 8), np.float32),
+                          np.zeros((rows, 32), np.float32))
+    with pytest.raises(KernelCallError, match="positions"):
+        kernels.layer_pre(layer, x, positions[:2], qkv, np.zeros((rows, 32), np.float32))
+    with pytest.raises(KernelCallError, match="scratch"):  # layer_post needs hidden + 3 I a row
+        kernels.layer_post(layer, x, np.zeros((rows, 32), np.float32),
+                           np.zeros((rows, 32 + 3 * 48 - 1), np.float32))
+
+
+def test_attention_checks_its_views_and_mask() -> None:
+    kernels = boundary.kernels()
+    rng = np.random.default_rng(0)
+    dim = 2 * native.vector_width()
+    q = rng.standard_normal((1, 2, 3, dim)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 5, dim)).astype(np.float32)
+    out = np.zeros_like(q)
+    assert kernels.attention(q, k, k, native.FORM_F32, None, native.MASK_CAUSAL, out, 0.1, 2)
+    assert out.any()
+    with pytest.raises(KernelCallError, match="mask"):  # a mask for 4 keys against 5
+        kernels.attention(q, k, k, native.FORM_F32, np.ones((1, 2, 3, 4), bool),
+                          native.MASK_BOOL, out, 0.1, 2)
+    with pytest.raises(KernelCallError, match="v"):
+        kernels.attention(q, k, k[:, :, :4], native.FORM_F32, None, native.MASK_NONE, out,
+                          0.1, 2)
+    with pytest.raises(KernelCallError, match="k"):  # bf16 keys are uint16 words
+        kernels.attention(q, k, k, native.FORM_BF16, None, native.MASK_NONE, out, 0.1, 2)
+    broadcast = np.broadcast_to(np.ones((1, 1, 1, 5), bool), (1, 2, 3, 5))  # strides 0 are fine
+    assert kernels.attention(q, k, k, native.FORM_F32, broadcast, native.MASK_BOOL, out, 0.1, 2)
+
+
+def test_gated_delta_checks_heads_and_state() -> None:
+    kernels = boundary.kernels()
+    b, t, hk, hv, dk, dv = 1, 2, 2, 4, 8, 8
+    z = lambda *dims: np.zeros(dims, np.float32)  # noqa: E731
+    kernels.gated_delta(z(b, t, hk, dk), z(b, t, hk, dk), z(b, t, hv, dv), z(b, t, hv),
+                        z(b, t, hv), None, z(b, hv, dv, dk), z(b, t, hv, dv), 2)
+    with pytest.raises(KernelCallError, match="state"):
+        kernels.gated_delta(z(b, t, hk, dk), z(b, t, hk, dk), z(b, t, hv, dv), z(b, t, hv),
+                            z(b, t, hv), None, z(b, hv, dv, dk - 1), z(b, t, hv, dv), 2)
+    with pytest.raises(KernelCallError, match="group"):
+        kernels.gated_delta(z(b, t, 3, dk), z(b, t, 3, dk), z(b, t, hv, dv), z(b, t, hv),
+                            z(b, t, hv), None, z(b, hv, dv, dk), z(b, t, hv, dv), 2)
+
+
+def test_nothing_but_the_boundary_calls_the_library() -> None:
+    """The one door: no other module of Rewind takes a kernel pointer or calls the library."""
+    source = Path(boundary.__file__).parent.parent
+    offenders = []
+    for path in source.rglob("*.py"):
+        if path.name in ("boundary.py", "native.py"):
+            continue
+        text = path.read_text()
+        if re.search(r"\.ctypes\.data|ctypes\.byref|load_kernels\(\)\.\w+\(", text):
+            offenders.append(str(path.relative_to(source)))
+    assert not offenders, offenders
