@@ -77,6 +77,10 @@ GATED_DELTA = Var("REWIND_GATED_DELTA",
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
+# scripts/sanitize.sh sets it with the sanitizer's runtime preloaded (a sanitized library does not
+# load without it).
+SANITIZE = Var("REWIND_SANITIZE", "build the C kernels with sanitizers: address (ASan + UBSan) "
+               "or thread (TSan); scripts/sanitize.sh", ("address", "thread"))
 COMPUTE_DTYPE = Var("REWIND_COMPUTE_DTYPE", "the dtype models compute in (default per backend)",
                     ("float32", "bfloat16", "float16"))
 DEFAULT_FORM = Var("REWIND_DEFAULT_FORM", "the default model's stored form, e.g. q4g32",
@@ -91,7 +95,7 @@ URL = Var("REWIND_URL", "the server `rewind ps` asks (default http://127.0.0.1:1
 API_KEY = Var("REWIND_API_KEY", "the key `rewind ps` sends to the server")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, FAST_GELU,
-                        NO_AVX512, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS,
+                        NO_AVX512, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS,
                         URL, API_KEY)
 
 
@@ -137,6 +141,10 @@ def fast_gelu() -> bool:
 
 def no_avx512() -> bool:
     return NO_AVX512.get() == "1"
+
+
+def sanitize() -> str | None:
+    return SANITIZE.get()
 
 
 def compute_dtype() -> str | None:

@@ -44,12 +44,12 @@ def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
         if isinstance(base, np.ndarray):
             owner = base
         base = getattr(base, "base", None)
-    return _extent(owner)
+    return _extent(owner, owner.__array_interface__["data"][0])
 
 
-def _extent(array: np.ndarray) -> tuple[int, int]:
-    """[low, high) of the bytes a view of `array`'s shape and strides touches."""
-    low = high = array.__array_interface__["data"][0]
+def _extent(array: np.ndarray, address: int) -> tuple[int, int]:
+    """[low, high) of the bytes a view of `array`'s shape and strides touches from `address`."""
+    low = high = address
     for count, stride in zip(array.shape, array.strides):
         if count == 0:
             return low, low
@@ -80,14 +80,16 @@ def checked(array: object, name: str, dtype: np.dtype, shape: tuple[int, ...], *
             raise KernelCallError(f"{name}: strides {strides} (unit last stride, none negative)")
     elif not array.flags.c_contiguous:
         raise KernelCallError(f"{name}: not C-contiguous (strides {array.strides})")
-    low, high = _extent(array)
-    if array.size and low == 0:
+    address = array.__array_interface__["data"][0]
+    if not address and array.size:
         raise KernelCallError(f"{name}: null buffer")
-    owner_low, owner_high = _owner_bounds(array)
-    if low < owner_low or high > owner_high:
-        raise KernelCallError(f"{name}: its view reaches [{low:#x}, {high:#x}) outside its "
-                              f"buffer [{owner_low:#x}, {owner_high:#x})")
-    return array.__array_interface__["data"][0]
+    if array.base is not None:  # a view: its extent must lie within what its owner holds
+        low, high = _extent(array, address)
+        owner_low, owner_high = _owner_bounds(array)
+        if low < owner_low or high > owner_high:
+            raise KernelCallError(f"{name}: its view reaches [{low:#x}, {high:#x}) outside its "
+                                  f"buffer [{owner_low:#x}, {owner_high:#x})")
+    return address
 
 
 def _optional(array: np.ndarray | None, name: str, dtype: np.dtype,
@@ -191,9 +193,9 @@ def _status(name: str, status: int) -> None:
 class Kernels:
     """The compiled kernels behind checked methods (see the module's rule)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, vector_width: int) -> None:
         self._library = library
-        self.vector_width = native.vector_width()
+        self.vector_width = vector_width  # float32 lanes of the build: head sizes must divide
 
     def matvec(self, matrix: MatrixArgs, x: np.ndarray, out: np.ndarray,
                threads: int) -> None:
@@ -322,5 +324,12 @@ def kernels() -> Kernels | None:
         library = native.load_kernels()
         if library is None:
             return None
-        _checked_kernels = Kernels(library)
+        _checked_kernels = Kernels(library, native.vector_width())
     return _checked_kernels
+
+
+def kernels_for(isa: str) -> Kernels | None:
+    """The checked kernels of one build (native.ISAS), whatever this process uses; None where
+    this CPU does not run it. For comparing the builds with each other."""
+    library = native.load_isa(isa)
+    return None if library is None else Kernels(library, native.isa_vector_width(isa))

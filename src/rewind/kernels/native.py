@@ -2,8 +2,8 @@
 gated delta rule).
 
 Compiled once with the system C compiler into the cache folder, keyed by the source and the
-flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; its own thread pool), and loaded
-with ctypes. `load_kernels()` returns None where that cannot happen (not x86-64 with AVX2, no
+flags (AVX-512 where /proc/cpuinfo shows it, else AVX2 + FMA; REWIND_SANITIZE adds a
+sanitizer's instrumentation), and loaded with ctypes. Only rewind.kernels.boundary calls them. `load_kernels()` returns None where that cannot happen (not x86-64 with AVX2, no
 compiler, a failed build): callers then keep MLX's path, which gives the same answers slower.
 """
 
@@ -104,24 +104,51 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def compile_flags() -> list[str] | None:
-    """The flags for this CPU, or None where the kernels cannot run (no AVX2/FMA)."""
+ISAS = ("avx2", "avx512")  # the instruction sets the kernels are built for (simd.h's two paths)
+_ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"},
+                  "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+_ISA_COMPILE_FLAGS = {"avx2": _AVX2_FLAGS, "avx512": _AVX512_FLAGS}
+_SANITIZER_FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                                "-fno-omit-frame-pointer", "-g"],
+                    "thread": ["-fsanitize=thread", "-fno-omit-frame-pointer", "-g"]}
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The kernel builds this CPU runs (none off x86-64 or without AVX2/FMA/F16C)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
+        return ()
     flags = _cpu_flags()
-    if not {"avx2", "fma", "f16c"} <= flags:
+    return tuple(isa for isa in ISAS if _ISA_CPU_FLAGS[isa] <= flags)
+
+
+def chosen_isa() -> str | None:
+    """The build the kernels use here: AVX-512 where the CPU has it and REWIND_NO_AVX512 is not
+    1, else AVX2; None where neither runs."""
+    isas = runnable_isas()
+    if not isas:
         return None
-    if not env.no_avx512() and {"avx512f", "avx512bw", "avx512vl",
-                                                        "avx512dq"} <= flags:
-        return [*_BASE_FLAGS, *_AVX512_FLAGS]
-    return [*_BASE_FLAGS, *_AVX2_FLAGS]
+    return "avx2" if env.no_avx512() or "avx512" not in isas else "avx512"
+
+
+def compile_flags(isa: str | None = None) -> list[str] | None:
+    """The compiler flags for `isa` (default: `chosen_isa()`), with REWIND_SANITIZE's
+    instrumentation; None where the kernels cannot run here."""
+    isa = isa or chosen_isa()
+    if isa is None or isa not in runnable_isas():
+        return None
+    sanitizer = env.sanitize()
+    return [*_BASE_FLAGS, *_ISA_COMPILE_FLAGS[isa],
+            *(_SANITIZER_FLAGS[sanitizer] if sanitizer else [])]
 
 
 @functools.lru_cache(maxsize=1)
 def vector_width() -> int:
     """float32 lanes per vector in the kernels built for this CPU (16 with AVX-512, else 8)."""
-    flags = compile_flags() or []
-    return 16 if "-mavx512f" in flags else 8
+    return isa_vector_width(chosen_isa() or "avx2")
+
+
+def isa_vector_width(isa: str) -> int:
+    return 16 if isa == "avx512" else 8
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -137,19 +164,29 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def load_kernels() -> ctypes.CDLL | None:
-    """The compiled kernels (built on first use), or None where they cannot be built here."""
+    """The compiled kernels for this CPU (built on first use), or None where they cannot be
+    built here."""
     global _kernels, _tried
     if _tried:
         return _kernels
     _tried = True
-    flags = compile_flags()
+    isa = chosen_isa()
+    _kernels = None if isa is None else load_isa(isa)
+    return _kernels
+
+
+@functools.lru_cache(maxsize=None)
+def load_isa(isa: str) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (one of ISAS), or None where this CPU does not run it or they
+    cannot be built. Each build is its own library, so a test can load both and compare."""
+    flags = compile_flags(isa)
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if flags is None or compiler is None or not all(p.exists() for p in SOURCES + HEADERS):
         log.info("native CPU kernels unavailable (need x86-64 AVX2/FMA and a C compiler)")
         return None
     source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     tag = hashlib.blake2b(source + " ".join(flags).encode(), digest_size=8).hexdigest()
-    library = cache_home() / "native" / f"cpu_kernels-{tag}.so"
+    library = cache_home() / "native" / f"cpu_kernels-{isa}-{tag}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
@@ -172,7 +209,6 @@ def load_kernels() -> ctypes.CDLL | None:
         log.warning("native CPU kernels: loading %s failed: %s", library, exc)
         return None
     _declare(lib)
-    _kernels = lib
     return lib
 
 
