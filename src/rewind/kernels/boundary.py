@@ -283,7 +283,10 @@ class Kernels:
                         strided=True),
             os=element_strides(out), B=batch, heads=heads, kv_heads=kv_heads, L=length,
             S=total, D=dim, scale=float(scale), kv_form=kv_form, threads=max(1, threads))
-        return self._library.attention(ctypes.byref(args)) == 0
+        status = self._library.attention(ctypes.byref(args))
+        if status == -2:
+            raise MemoryError("attention kernel: no memory for its scratch")
+        return status == 0
 
     def gated_delta(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                     beta: np.ndarray, mask: np.ndarray | None, state: np.ndarray,

@@ -19,6 +19,7 @@
    broadcast strides. A row that every key masks gets the mean of the values, as MLX's
    finfo.min fill gives. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +52,7 @@ typedef struct {
   int64_t rep, per_block, qblocks, splits, rows_max;
   float *part_m, *part_l, *part_acc; /* per (item, row) when splits > 1 */
   uint8_t *written;                  /* per output row: some key was seen */
+  _Atomic int failed;                /* a work item could not get its scratch */
 } Plan;
 
 static inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
@@ -149,7 +151,13 @@ static void attention_item(const void *arg, int64_t item) {
   span = (span + KB - 1) / KB * KB;
   int64_t k_lo = min64(kend, split * span), k_hi = min64(kend, k_lo + span);
 
-  float *q = aligned_alloc(64, (size_t)(rows_pad * D * 2 + rows_pad * KB + rows_pad * 3) * 4 + 64);
+  /* aligned_alloc takes a size that is a multiple of the alignment (C11; ASan enforces it). */
+  size_t bytes = (size_t)(rows_pad * D * 2 + rows_pad * KB + rows_pad * 3) * 4;
+  float *q = aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (!q) { /* out of memory: the caller reports it, nothing is written */
+    atomic_store_explicit((_Atomic int *)&plan->failed, 1, memory_order_relaxed);
+    return;
+  }
   float *acc = q + rows_pad * D, *s = acc + rows_pad * D, *m = s + rows_pad * KB;
   float *l = m + rows_pad, *seen = l + rows_pad;
   memset(q, 0, (size_t)(rows_pad * D * 2) * 4);
@@ -249,7 +257,8 @@ static void mean_values(const Attention *a, int64_t b, int64_t g, float *dst) {
   for (int64_t d = 0; d < a->D; ++d) dst[d] /= (float)a->S;
 }
 
-/* Returns 0, or -1 for shapes it does not take (the caller then uses MLX's attention). */
+/* Returns 0, -1 for shapes it does not take (the caller then uses MLX's attention), or -2 when
+   memory for its scratch ran out (nothing usable was written). */
 int attention(const Attention *a) {
   if (a->B < 1 || a->L < 1 || a->S < 1 || a->kv_heads < 1 || a->heads % a->kv_heads ||
       a->D % VW || a->qs[3] != 1 || a->ks[3] != 1 || a->vs[3] != 1 || a->os[3] != 1 ||
@@ -276,6 +285,11 @@ int attention(const Attention *a) {
   plan.written = calloc((size_t)(a->B * a->heads * a->L), 1);
   if (!plan.written) { free(plan.part_m); return -2; }
   run_blocks(attention_item, &plan, total, (int)threads);
+  if (atomic_load_explicit(&plan.failed, memory_order_relaxed)) {
+    free(plan.part_m);
+    free(plan.written);
+    return -2;
+  }
 
   if (plan.splits > 1) {
     for (int64_t it = 0; it < items; ++it) {
