@@ -1,7 +1,7 @@
 /* Stress for the kernels' thread pool (src/rewind/kernels/c/pool.c): many small jobs of two
    kinds, whose argument structs differ as a matvec's and a row task's do, each run through
    run_blocks. Every block must run exactly once, with its own job's function and arguments,
-   before run_blocks returns. Built by tests/test_native_pool.py, with -DPOOL_TESTING
+   before run_blocks returns. Built by tests/test_native_pool.py with pool_hook.c and -DPOOL_TESTING,
    pausing each side of the claim protocol where a race would show, and under ThreadSanitizer.
 
    usage: pool_stress JOBS THREADS   (exit 0 and "violations 0" when the pool held) */
@@ -30,18 +30,6 @@ static void run_block(const Job *job, int tag, int64_t block) {
 }
 static void fn_a(const void *args, int64_t block) { run_block(args, TAG_A, block); }
 static void fn_b(const void *args, int64_t block) { run_block(args, TAG_B, block); }
-
-/* Called at the pool's exposed points: a 20 us nap on some of them, so a worker is caught
-   between reading the claim word and claiming, and the caller between writing a job and
-   opening it, as a busy machine's scheduler does now and then. */
-void pool_test_hook(int where) {
-  static _Atomic unsigned calls = 0;
-  unsigned k = atomic_fetch_add(&calls, 1);
-  if (k % (where == 0 ? 7 : 3) == 0) {
-    struct timespec pause = {0, 20000};
-    nanosleep(&pause, NULL);
-  }
-}
 
 int main(int argc, char **argv) {
   if (argc != 3) { fprintf(stderr, "usage: %s JOBS THREADS\n", argv[0]); return 2; }
