@@ -47,7 +47,7 @@ have_hash=""; have_extras=""
 [ -f "$stamp" ] && read -r have_hash have_extras < "$stamp" || true
 union="$(printf '%s\n' ${extras//,/ } ${have_extras//,/ } | sort -u | paste -sd, -)"
 if [ "$have_hash" != "$hash" ] || [ "$union" != "$have_extras" ]; then
-  [ "$have_hash" = "$hash" ] || union="$extras"
+  [ "$have_hash" = "$hash" ] || union="$(printf '%s\n' ${extras//,/ } | sort -u | paste -sd, -)"
   say "installing rewind-engine[$union] into .venv (a few minutes on a fresh machine)"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # This machine's pip config names local mirrors that may be absent: drop that noise only.
