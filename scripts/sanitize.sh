@@ -3,7 +3,8 @@
 # Sanitizer (REWIND_SANITIZE=address), their runtimes preloaded so MLX's and NumPy's allocations
 # are tracked too, under the kernel tests, the mixed-step equivalence tests, load and unload while
 # streaming, and the threaded server stress; then the pool's ThreadSanitizer test. Any sanitizer
-# report fails the job. Run it before every stop (it takes ~10 minutes on 2 cores, too long for
+# report fails the job. (The RSS churn test is left out: ASan's shadow memory and quarantine are
+# RSS that is not Rewind's.) Run it before every stop (it takes ~10 minutes on 2 cores, too long for
 # CI beside the suite): `bash scripts/sanitize.sh`. Extra arguments go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +29,9 @@ UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$reports/ubsan" \
   .venv/bin/python -m pytest -p no:cacheprovider -q \
     tests/test_kernel_boundary.py tests/test_kernel_isas.py tests/test_cpu_attention.py \
     tests/test_cpu_gated_delta.py tests/test_native_linear.py tests/test_native_forward.py \
-    tests/test_mixed_steps.py tests/test_model_pool.py tests/test_native_stress.py "$@"
+    tests/test_mixed_steps.py tests/test_model_pool.py tests/test_native_stress.py \
+    --deselect tests/test_model_pool.py::test_rss_stays_under_the_budget_over_a_load_unload_churn \
+    "$@"
 rc=$?
 set -e
 found=0

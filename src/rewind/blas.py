@@ -60,7 +60,9 @@ def preload_value() -> str:
     lib = find_openblas()
     if platform.system() != "Linux" or lib is None or openblas_active() or env.no_openblas():
         return current
-    return f"{lib}:{current}" if current else lib
+    # After what is there: a sanitizer's runtime must stay first (scripts/sanitize.sh), and any
+    # preloaded library comes before libmlx, wherever it stands in the list.
+    return f"{current}:{lib}" if current else lib
 
 
 def ensure_openblas(argv: list[str]) -> None:
