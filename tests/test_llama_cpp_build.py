@@ -186,3 +186,127 @@ def test_a_binary_that_fails_without_a_signal_is_a_failure_not_a_reason_to_rebui
     assert failure is not None and failure.signal is None
     assert failure.describe() == "`llama-server --version` exited with code 1: bad option"
     assert run_helper("smoke", str(folder)).returncode == 1
+
+
+# --- the install script end to end, on a stand-in for llama.cpp's tree ---------------------------
+FAKE_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(fake_llama_cpp C)
+option(GGML_NATIVE "" ON)
+option(FAKE_DIE_ALWAYS "" OFF)
+foreach(binary llama-server llama-bench)
+    add_executable(${binary} fake.c)
+    set_target_properties(${binary} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+    if(GGML_NATIVE OR FAKE_DIE_ALWAYS)
+        target_compile_definitions(${binary} PRIVATE DIE)
+    endif()
+endforeach()
+"""
+FAKE_SOURCE = """#include <stdio.h>
+int main(void) {
+#ifdef DIE
+    %s;
+#endif
+    puts("version: 1 (fake)");
+    return 0;
+}
+"""
+DEATHS = {"SIGSEGV": "*(volatile int *)0 = 1", "SIGILL": "__builtin_trap()"}
+
+
+def fake_llama_cpp(folder: Path, death: str = "SIGSEGV", always: bool = False) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    cmake = FAKE_CMAKE.replace('option(FAKE_DIE_ALWAYS "" OFF)',
+                               f'option(FAKE_DIE_ALWAYS "" {"ON" if always else "OFF"})')
+    # The instruction-set options ggml declares, so CMake's cache types them as ggml's does.
+    cmake += "".join(f'option({name} "" OFF)\n'
+                     for name in (*build.ISA_OPTIONS, *build.AMX_OPTIONS))
+    (folder / "CMakeLists.txt").write_text(cmake)
+    (folder / "fake.c").write_text(FAKE_SOURCE % DEATHS[death])
+    return folder
+
+
+def install(tmp_path: Path, source: Path) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "cpuinfo").write_text(cpuinfo(HASWELL, model="Stand-in CPU"))
+    env = {**os.environ, "LLAMA_CPP_SOURCE": str(source),
+           "LLAMA_CPP_PREFIX": str(tmp_path / "prefix"), "LLAMA_CPP_SMOKE_MODEL": "",
+           "LLAMA_CPP_CPUINFO": str(tmp_path / "cpuinfo"), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def cmake_cache(tmp_path: Path) -> dict[str, str]:
+    text = (tmp_path / "prefix" / "src" / "build" / "CMakeCache.txt").read_text()
+    return dict(re.findall(r"^(GGML_\w+):BOOL=(\w+)$", text, re.M))
+
+
+@pytest.mark.parametrize("death", ["SIGSEGV", "SIGILL"])
+def test_a_native_build_that_dies_is_rebuilt_with_explicit_flags_and_they_are_recorded(
+        tmp_path, death) -> None:
+    done = install(tmp_path, fake_llama_cpp(tmp_path / "llama.cpp", death))
+    assert done.returncode == 0, done.stdout + done.stderr
+    number = int(getattr(signal, death))
+    assert f"The GGML_NATIVE=ON build fails its smoke run: `llama-server --version` died with " \
+           f"signal {number} ({death})" in done.stderr
+    prefix = tmp_path / "prefix"
+    explicit = build.explicit_flags(build.cpu_flags(cpuinfo(HASWELL)))
+    recorded = build.parse_build_flags((prefix / "BUILD_FLAGS").read_text())
+    assert recorded["flags"] == " ".join(explicit)
+    assert recorded["why"] == ("the GGML_NATIVE=ON build died at its smoke run: `llama-server "
+                               f"--version` died with signal {number} ({death})")
+    assert recorded["cpu"] == "Stand-in CPU"
+    assert recorded["smoke"] == ("passed: llama-server --version, llama-bench --version, "
+                                 "llama-bench --list-devices")
+    # What CMake really built the installed binaries with, and that they run.
+    cache = cmake_cache(tmp_path)
+    assert cache["GGML_NATIVE"] == "OFF" and cache["GGML_AVX2"] == "ON"
+    assert cache["GGML_AVX512"] == cache["GGML_AMX_TILE"] == cache["GGML_AMX_INT8"] == "OFF"
+    for name in ("llama-server", "llama-bench"):
+        assert subprocess.run([prefix / "bin" / name, "--version"]).returncode == 0
+    assert "version: 1 (fake)" in (prefix / "VERSION").read_text()
+    assert "GGML_NATIVE=OFF, SSE42 AVX AVX2 BMI2 FMA F16C on" in done.stdout.splitlines()[-1]
+
+
+def test_an_existing_build_is_kept_if_it_runs_and_rebuilt_if_it_dies(tmp_path) -> None:
+    source = fake_llama_cpp(tmp_path / "llama.cpp")
+    assert install(tmp_path, source).returncode == 0
+    prefix = tmp_path / "prefix"
+    bench = prefix / "bin" / "llama-bench"
+    built = bench.stat().st_mtime_ns
+
+    again = install(tmp_path, source)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already built" in again.stdout and "[3/4]" not in again.stdout
+    assert bench.stat().st_mtime_ns == built
+
+    # The same prefix, now holding a llama-bench that dies at start (as the native build did on
+    # the Xeon): not reported ready, but removed and built again.
+    fake_binaries(prefix / "bin", bench="kill -SEGV $$")
+    rebuilt = install(tmp_path, source)
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    assert ("The existing build fails its smoke run: `llama-bench --version` died with signal 11 "
+            "(SIGSEGV)") in rebuilt.stderr
+    assert "[3/4]" in rebuilt.stdout and "already built" not in rebuilt.stdout
+    assert subprocess.run([bench, "--version"], capture_output=True).returncode == 0
+    assert (prefix / "BUILD_FLAGS").is_file()
+
+
+def test_a_build_that_dies_either_way_installs_nothing(tmp_path) -> None:
+    done = install(tmp_path, fake_llama_cpp(tmp_path / "llama.cpp", always=True))
+    assert done.returncode == 1
+    assert "fails its smoke run" in done.stderr and "Nothing installed" in done.stderr
+    prefix = tmp_path / "prefix"
+    assert not (prefix / "BUILD_FLAGS").exists()
+    assert not (prefix / "bin" / "llama-server").exists()
+
+
+def test_a_build_from_before_the_flags_were_recorded_is_recorded_as_native(tmp_path) -> None:
+    """Builds made before this script smoke-ran them were GGML_NATIVE=ON; one that passes the
+    smoke run now is kept, and its flags written."""
+    prefix = tmp_path / "prefix"
+    fake_binaries(prefix / "bin")
+    (prefix / "VERSION").write_text("llama_cpp_python-0.3.36\n")
+    done = install(tmp_path, fake_llama_cpp(tmp_path / "llama.cpp"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "already built" in done.stdout
+    recorded = build.parse_build_flags((prefix / "BUILD_FLAGS").read_text())
+    assert recorded["flags"] == "-DGGML_NATIVE=ON"
