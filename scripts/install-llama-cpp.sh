@@ -145,7 +145,7 @@ native_flags=(-DGGML_NATIVE=ON)
 plan="$(build_py plan)"
 if [[ "$plan" == native ]]; then
     flags=("${native_flags[@]}")
-    why="the default: -march=native, every extension this CPU has; it passed the smoke run"
+    why="the default, every extension this CPU has; it passed the smoke run"
 else
     read -r -a flags <<< "$(build_py explicit-flags)"
     why="chosen up front, ${plan#explicit: }; it passed the smoke run"
@@ -185,6 +185,9 @@ done
     echo "flags: ${flags[*]}"
     echo "why: $why"
     echo "cpu: $(build_py cpu)"
+    # What ggml's CMake made of the flags: the compiler options of its CPU backend.
+    sed -n 's/.*Adding CPU backend variant ggml-cpu: *//p' "$prefix/src/cmake-configure.log" \
+        | head -1 | sed 's/^/compiler: /'
     echo "smoke: $smoke_report"
 } > "$prefix/BUILD_FLAGS"
 elapsed=$(( $(date +%s) - started ))

@@ -193,6 +193,9 @@ FAKE_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(fake_llama_cpp C)
 option(GGML_NATIVE "" ON)
 option(FAKE_DIE_ALWAYS "" OFF)
+# As ggml/src/ggml-cpu/CMakeLists.txt says what it compiles its CPU backend with.
+message(STATUS "Adding CPU backend variant ggml-cpu: native=${GGML_NATIVE} avx2=${GGML_AVX2} \
+amx=${GGML_AMX_TILE}")
 foreach(binary llama-server llama-bench)
     add_executable(${binary} fake.c)
     set_target_properties(${binary} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
@@ -254,6 +257,7 @@ def test_a_native_build_that_dies_is_rebuilt_with_explicit_flags_and_they_are_re
     assert recorded["why"] == ("the GGML_NATIVE=ON build died at its smoke run: `llama-server "
                                f"--version` died with signal {number} ({death})")
     assert recorded["cpu"] == "Stand-in CPU"
+    assert recorded["compiler"] == "native=OFF avx2=ON amx=OFF"
     assert recorded["smoke"] == ("passed: llama-server --version, llama-bench --version, "
                                  "llama-bench --list-devices")
     # What CMake really built the installed binaries with, and that they run.
