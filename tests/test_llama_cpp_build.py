@@ -188,6 +188,66 @@ def test_a_binary_that_fails_without_a_signal_is_a_failure_not_a_reason_to_rebui
     assert run_helper("smoke", str(folder)).returncode == 1
 
 
+# A llama-server stand-in that serves /health and /completion as llama-server does, and dies of
+# SIGSEGV at the completion when asked to: the model smoke run's path, without llama.cpp.
+FAKE_SERVER = """import json, os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+if "--version" in sys.argv:
+    print("version: 1 (fake)")
+    sys.exit(0)
+DIE = {die!r}
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.answer({{"status": "ok"}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if DIE:
+            print("computing the completion", flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        self.answer({{"content": " Paris."}})
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def fake_server(folder: Path, die: bool) -> Path:
+    fake_binaries(folder)
+    server = folder / "llama-server"
+    server.write_text(f"#!{sys.executable}\n" + FAKE_SERVER.format(die=die))
+    return folder
+
+
+def test_with_a_model_llama_server_must_answer_a_completion(tmp_path) -> None:
+    folder = fake_server(tmp_path / "bin", die=False)
+    passed, failure = build.smoke(folder, tmp_path / "tiny.gguf")
+    assert failure is None, failure.describe()
+    assert passed[-2:] == ["llama-bench -m tiny.gguf -p 16 -n 4 -r 1",
+                           "llama-server -m tiny.gguf answered /completion"]
+
+
+def test_a_server_that_dies_computing_the_completion_is_named_with_its_signal(tmp_path) -> None:
+    folder = fake_server(tmp_path / "bin", die=True)
+    passed, failure = build.smoke(folder, tmp_path / "tiny.gguf")
+    assert passed[-1] == "llama-bench -m tiny.gguf -p 16 -n 4 -r 1"
+    assert failure is not None and failure.signal == signal.SIGSEGV, failure
+    assert failure.command.startswith("llama-server -m tiny.gguf -c 512 -np 1")
+    assert failure.describe().endswith("died with signal 11 (SIGSEGV): computing the completion")
+
+
 # --- the install script end to end, on a stand-in for llama.cpp's tree ---------------------------
 FAKE_CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(fake_llama_cpp C)

@@ -187,7 +187,7 @@ class SmokeFailure:
                 name = "unknown signal"
             head = f"`{self.command}` died with signal {self.signal} ({name})"
         elif self.returncode is None:
-            head = f"`{self.command}` gave no answer within {SMOKE_TIMEOUT_S:.0f} s"
+            head = f"`{self.command}` gave no usable answer within {SMOKE_TIMEOUT_S:.0f} s"
         else:
             head = f"`{self.command}` exited with code {self.returncode}"
         tail = " | ".join(line for line in self.output.strip().splitlines()[-3:] if line.strip())
@@ -228,17 +228,21 @@ def _server_answers(bin_dir: Path, model: Path, timeout: float) -> SmokeFailure 
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT)
 
-        def failed(returncode: int | None) -> SmokeFailure:
+        def failed() -> SmokeFailure:
+            # A server that fails a request may be dying of a signal: give it a moment to exit,
+            # so the failure names the signal (and the script rebuilds) rather than a bad answer.
+            try:
+                returncode: int | None = process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                returncode = None
             log.seek(0)
             return SmokeFailure(_shown(argv), returncode, log.read())
 
         try:
             deadline = time.monotonic() + timeout
             while True:
-                if process.poll() is not None:
-                    return failed(process.returncode)
-                if time.monotonic() > deadline:
-                    return failed(None)
+                if process.poll() is not None or time.monotonic() > deadline:
+                    return failed()
                 try:
                     with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
                         if response.status == 200:
@@ -254,9 +258,9 @@ def _server_answers(bin_dir: Path, model: Path, timeout: float) -> SmokeFailure 
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     answer = json.loads(response.read())
             except (urllib.error.URLError, OSError, ValueError):
-                return failed(process.poll())
+                return failed()
             if not isinstance(answer.get("content"), str):
-                return failed(process.poll())
+                return failed()
             return None
         finally:
             if process.poll() is None:
