@@ -54,7 +54,8 @@ resolve_smoke_model() {
     fi
 }
 
-# smoke BIN_DIR: sets smoke_status (0 passed, 3 died with a signal, else failed) and smoke_report.
+# smoke BIN_DIR: sets smoke_status (0 passed, 3 died with a signal, else failed) and smoke_report
+# (one line, "passed: ..." or what failed, then the failure's last output, if any).
 smoke() {
     resolve_smoke_model
     smoke_status=0
@@ -158,7 +159,7 @@ if [[ "$smoke_status" == 3 && "${flags[0]}" == -DGGML_NATIVE=ON ]]; then
     echo "The GGML_NATIVE=ON build fails its smoke run: $smoke_report" >&2
     read -r -a flags <<< "$(build_py explicit-flags)"
     echo "Building again with GGML_NATIVE=OFF and explicit flags, AMX off: ${flags[*]}" >&2
-    why="the GGML_NATIVE=ON build died at its smoke run: $smoke_report"
+    why="the GGML_NATIVE=ON build died at its smoke run: ${smoke_report%%$'\n'*}"
     build "${flags[@]}"
     echo "Smoke-running the new llama-server and llama-bench..."
     smoke "$build_dir/bin"

@@ -266,6 +266,8 @@ endforeach()
 """
 FAKE_SOURCE = """#include <stdio.h>
 int main(void) {
+    puts("system_info: fake");
+    fflush(stdout);
 #ifdef DIE
     %s;
 #endif
@@ -309,7 +311,7 @@ def test_a_native_build_that_dies_is_rebuilt_with_explicit_flags_and_they_are_re
     assert done.returncode == 0, done.stdout + done.stderr
     number = int(getattr(signal, death))
     assert f"The GGML_NATIVE=ON build fails its smoke run: `llama-server --version` died with " \
-           f"signal {number} ({death})" in done.stderr
+           f"signal {number} ({death})\n  last output: system_info: fake" in done.stderr
     prefix = tmp_path / "prefix"
     explicit = build.explicit_flags(build.cpu_flags(cpuinfo(HASWELL)))
     recorded = build.parse_build_flags((prefix / "BUILD_FLAGS").read_text())

@@ -179,19 +179,25 @@ class SmokeFailure:
             return self.returncode - 128
         return None
 
-    def describe(self) -> str:
+    def headline(self) -> str:
+        """What failed and how, one line without its output (BUILD_FLAGS' reason, the reports)."""
         if self.signal is not None:
             try:
                 name = signal.Signals(self.signal).name
             except ValueError:
                 name = "unknown signal"
-            head = f"`{self.command}` died with signal {self.signal} ({name})"
-        elif self.returncode is None:
-            head = f"`{self.command}` gave no usable answer within {SMOKE_TIMEOUT_S:.0f} s"
-        else:
-            head = f"`{self.command}` exited with code {self.returncode}"
-        tail = " | ".join(line for line in self.output.strip().splitlines()[-3:] if line.strip())
-        return f"{head}: {tail}" if tail else head
+            return f"`{self.command}` died with signal {self.signal} ({name})"
+        if self.returncode is None:
+            return f"`{self.command}` gave no usable answer within {SMOKE_TIMEOUT_S:.0f} s"
+        return f"`{self.command}` exited with code {self.returncode}"
+
+    def last_output(self) -> str:
+        return " | ".join(line.strip() for line in self.output.strip().splitlines()[-3:]
+                          if line.strip())
+
+    def describe(self) -> str:
+        tail = self.last_output()
+        return f"{self.headline()}: {tail}" if tail else self.headline()
 
 
 def _shown(argv: list[str]) -> str:
@@ -337,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     if failure is None:
         print("passed: " + ", ".join(passed))
         return 0
-    print(failure.describe())
+    # The headline first (the install script records that line), then the output's last lines.
+    print(failure.headline())
+    if failure.last_output():
+        print(f"  last output: {failure.last_output()}")
     return 3 if failure.signal is not None else 1
 
 
