@@ -1,9 +1,10 @@
 """The llama.cpp baseline of the side-by-side bench: llama-server and llama-bench, built from
 source by scripts/install-llama-cpp.sh, started with the options a user would give them.
 
-The command lines and the chat template file are checked everywhere. The tests that run the
-binaries skip when they are not built (CI never builds them: about 12 minutes on 2 cores); where
-they are built, they run them on the default model's GGUF (converted on first use).
+The command lines, the chat template file and what the reports say of the build are checked
+everywhere. The tests that run the binaries skip when they are not built and smoke-run (CI never
+builds them: about 12 minutes on 2 cores); where they are, they run them on the default model's
+GGUF (converted on first use).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rewind.bench import servers
 from rewind.bench.machine import command_line, display_path, repo_root, user_command
 from rewind.bench.servers import (LLAMA_CPP_PREFIX, ServerOptions, chat_template_file,
                                   llama_cpp_installed, llama_server_argv)
@@ -22,7 +24,7 @@ from rewind.bench.servers import (LLAMA_CPP_PREFIX, ServerOptions, chat_template
 REPO_ROOT = Path(__file__).resolve().parents[1]
 needs_llama_cpp = pytest.mark.skipif(
     not llama_cpp_installed(),
-    reason=f"llama-server/llama-bench not built in {LLAMA_CPP_PREFIX} "
+    reason=f"llama-server/llama-bench not built and smoke-run in {LLAMA_CPP_PREFIX} "
            "(bash scripts/install-llama-cpp.sh; never in CI)")
 
 
@@ -69,6 +71,29 @@ def test_the_chat_template_file_is_the_mlx_folders(tiny_model_path, monkeypatch,
     written = chat_template_file(folder)
     assert written.read_text() == template
     assert chat_template_file(folder) == written  # reused, not rewritten
+
+
+# --- what the reports say of the build -----------------------------------------------------------
+def test_binaries_count_as_built_only_once_they_passed_the_smoke_run(tmp_path,
+                                                                      monkeypatch) -> None:
+    monkeypatch.setattr(servers, "LLAMA_CPP_PREFIX", tmp_path)
+    (tmp_path / "bin").mkdir()
+    for name in ("llama-server", "llama-bench"):
+        (tmp_path / "bin" / name).write_text("#!/bin/sh\n")
+        (tmp_path / "bin" / name).chmod(0o755)
+    (tmp_path / "VERSION").write_text("llama_cpp_python-0.3.36\nversion: 1 (abc)\n")
+    assert not servers.llama_cpp_installed()  # built, never smoke-run: no BUILD_FLAGS
+    assert servers.llama_cpp_version() == "llama_cpp_python-0.3.36, version: 1 (abc)"
+    (tmp_path / "BUILD_FLAGS").write_text(
+        "flags: -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF\n"
+        "why: the GGML_NATIVE=ON build died at its smoke run: `llama-server --version` died "
+        "with signal 11 (SIGSEGV)\ncpu: Test CPU\nsmoke: passed: llama-server --version\n")
+    assert servers.llama_cpp_installed()
+    named = ("llama_cpp_python-0.3.36, version: 1 (abc); built with GGML_NATIVE=OFF, AVX2 "
+             "AVX512 on, AMX_TILE off (the GGML_NATIVE=ON build died at its smoke run: "
+             "`llama-server --version` died with signal 11 (SIGSEGV))")
+    assert servers.llama_cpp_version() == named
+    assert f"llama-server ({named})" in servers.describe_server("llama.cpp")
 
 
 # --- the binaries, where they are built ----------------------------------------------------------
@@ -129,3 +154,19 @@ def test_parallel_chat_quick_runs_llama_server_at_both_settings(tmp_path) -> Non
     assert command.startswith(".bench-venvs/llama-cpp/bin/llama-server -m ~/")
     assert " -np 4 -c 16384 --jinja --chat-template-file ~/" in command
     assert str(repo_root()) not in json.dumps(payload["commands"])
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_the_installed_binaries_pass_the_smoke_run_on_the_default_gguf() -> None:
+    """What the install script checked before it installed them, again: both binaries start,
+    llama-bench runs a prefill and a decode, llama-server answers a completion."""
+    from rewind.bench.llama_cpp_build import parse_build_flags, smoke
+    from rewind.models.registry import default_gguf
+
+    passed, failure = smoke(LLAMA_CPP_PREFIX / "bin", default_gguf())
+    assert failure is None, failure.describe()
+    assert passed[-1] == "llama-server -m gemma-3-270m-q4_k_m.gguf answered /completion"
+    recorded = parse_build_flags((LLAMA_CPP_PREFIX / "BUILD_FLAGS").read_text())
+    assert recorded["flags"].startswith("-DGGML_NATIVE=")
+    assert recorded["smoke"].startswith("passed: ")

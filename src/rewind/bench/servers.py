@@ -30,7 +30,8 @@ from rewind.bench.harness import LOOPBACK, ServerProcess
 from rewind.bench.machine import display_path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-# Where scripts/install-llama-cpp.sh puts llama-server and llama-bench (bin/) and VERSION.
+# Where scripts/install-llama-cpp.sh puts llama-server and llama-bench (bin/), VERSION, and
+# BUILD_FLAGS: the CPU flags they were built with and why, written once they passed a smoke run.
 LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
                                        REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
@@ -166,17 +167,35 @@ def llama_cpp_binary(name: str) -> Path:
 
 
 def llama_cpp_installed() -> bool:
-    return all(os.access(llama_cpp_binary(name), os.X_OK)
-               for name in ("llama-server", "llama-bench"))
+    """Both binaries built, and smoke-run here by the install script (BUILD_FLAGS is written only
+    then: a build that dies on this CPU is not taken for one that runs)."""
+    return (all(os.access(llama_cpp_binary(name), os.X_OK)
+                for name in ("llama-server", "llama-bench"))
+            and (LLAMA_CPP_PREFIX / "BUILD_FLAGS").is_file())
+
+
+def llama_cpp_build_flags() -> str | None:
+    """The CPU flags llama.cpp was built with, and why (GGML_NATIVE=ON, or the explicit
+    instruction sets of a build that replaced a native one that died at its smoke run); None
+    when nothing is recorded."""
+    from rewind.bench.llama_cpp_build import summary
+
+    recorded = LLAMA_CPP_PREFIX / "BUILD_FLAGS"
+    if not recorded.is_file():
+        return None
+    return summary(recorded.read_text())
 
 
 def llama_cpp_version() -> str | None:
-    """What was built: the llama-cpp-python sdist it came from and llama.cpp's own version line
-    (build number and commit), one line; None when nothing is built."""
+    """What was built: the llama-cpp-python sdist it came from, llama.cpp's own version line
+    (build number and commit) and the CPU flags it was built with, one line; None when nothing
+    is built."""
     version = LLAMA_CPP_PREFIX / "VERSION"
     if not version.exists():
         return None
-    return ", ".join(line.strip() for line in version.read_text().splitlines() if line.strip())
+    text = ", ".join(line.strip() for line in version.read_text().splitlines() if line.strip())
+    flags = llama_cpp_build_flags()
+    return f"{text}; built with {flags}" if flags else text
 
 
 def ensure_llama_cpp(install: bool) -> None:
@@ -184,7 +203,8 @@ def ensure_llama_cpp(install: bool) -> None:
     if llama_cpp_installed():
         return
     if not install:
-        raise ServerUnavailable(f"llama-server is not built in {display_path(LLAMA_CPP_PREFIX)}; "
+        raise ServerUnavailable(f"llama-server is not built (or not smoke-run) in "
+                                f"{display_path(LLAMA_CPP_PREFIX)}; "
                                 f"run `bash {display_path(INSTALL_LLAMA_CPP)}` or pass "
                                 "--install-llama-cpp")
     print(f"llama.cpp: building llama-server and llama-bench into {LLAMA_CPP_PREFIX} "
@@ -263,7 +283,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
         if model.gguf is None:
             raise ServerUnavailable(f"no GGUF for model {model.name!r}: llama.cpp needs one")
         if not llama_cpp_installed():
-            raise ServerUnavailable(f"llama-server not built in {display_path(LLAMA_CPP_PREFIX)} "
+            raise ServerUnavailable(f"llama-server not built (or not smoke-run) in "
+                                    f"{display_path(LLAMA_CPP_PREFIX)} "
                                     f"(bash {display_path(INSTALL_LLAMA_CPP)})")
         argv = llama_server_argv(model.gguf, chat_template_file(model.mlx_folder), options, port)
         # /health answers 503 while the model loads, 200 once it can serve.
