@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from rewind.config import BLOCK_TOKENS, EngineConfig
 from rewind.memory import release_free_heap
+from rewind.engine.faults import forward_fault
 from rewind.engine.grammar import GrammarBackend
 from rewind.engine.request import (
     EngineStoppedError,
@@ -192,7 +193,8 @@ class Engine:
         block_tokens = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
         self.runner = ModelRunner(
             loaded.model, max_kv_size=self.config.max_kv_size,
-            chunk_tokens=engine_chunk_tokens(self.config.chunk_tokens, block_tokens))
+            chunk_tokens=engine_chunk_tokens(self.config.chunk_tokens, block_tokens),
+            fault=forward_fault(str(getattr(loaded, "name", ""))))
         self._scheduler = Scheduler(self.runner, self.config, prompt_cache,
                                     self.eos_token_ids, self._listeners)
         self._wakeup = threading.Event()
