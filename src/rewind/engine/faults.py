@@ -6,7 +6,8 @@ is checked (`forward_fault` returns None and the runner calls nothing). While it
 forward call of an engine looks for the file; when it exists and holds the engine's model name
 (its id in /v1/models; an empty file means any model), the call removes the file and raises
 `InjectedFault`. Each file fires once, in one engine, at a moment the test chooses (writing the
-file), which a timing-based fault (every Nth call) could not promise.
+file), which a timing-based fault (every Nth call) could not promise. Write the file whole (a
+finished file renamed onto the name): one caught empty mid-write would fault any model.
 """
 
 from __future__ import annotations
