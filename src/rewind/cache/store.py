@@ -428,6 +428,8 @@ class ScratchStore:
                 "free_bytes": self._free.free_bytes,
                 "last_error": self.last_error,
                 "persistent": self.persistent,
+                # Index changes not yet in the index file: records a kill -9 now would lose.
+                "unindexed_changes": self._changes if self.persistent else 0,
                 **self._counts,
             }
 
