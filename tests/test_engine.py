@@ -283,18 +283,21 @@ def test_each_row_keeps_its_own_sampling_in_a_mixed_batch(tiny_loaded):
     assert together[3].logprobs == pytest.approx(alone[3].logprobs, abs=1e-4)
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["stepwise", "pipelined-decode"])
 def test_a_failing_forward_pass_ends_every_request_of_the_engine_and_restart_serves_again(
-        tiny_loaded, tmp_path, monkeypatch):
+        tiny_loaded, tmp_path, monkeypatch, pipelined):
     """A forward pass that raises (REWIND_TEST_FORWARD_FAULT, rewind.engine.faults) ends the
     rows that were in it, the row waiting for a slot and nothing else: each gets an "error"
     FinishEvent at once; the engine then takes nothing until restart(), which serves the same
-    answer as before on a new runner."""
+    answer as before on a new runner. Pipelined decode (the GPUs' default) queues a step before
+    reading the last one: the same holds there."""
     loaded = tiny_loaded("llama")
     trigger = tmp_path / "fault"
     monkeypatch.setenv("REWIND_TEST_FORWARD_FAULT", str(trigger))
     prompt = loaded.tokenizer.encode("hello world")
     endless = greedy(max_tokens=2000, logit_bias=no_eos(loaded))
-    with Engine(loaded, EngineConfig(parallel=2, max_queue=8)) as engine:
+    config = EngineConfig(parallel=2, max_queue=8, pipeline_decode=pipelined)
+    with Engine(loaded, config) as engine:
         expected = engine.generate(GenerationRequest(prompt, greedy(max_tokens=6)), TIMEOUT)
         handles = [engine.submit(GenerationRequest(prompt, endless)) for _ in range(3)]
         assert isinstance(next(handles[0].events(TIMEOUT)), TokenEvent)  # decoding now
@@ -313,6 +316,8 @@ def test_a_failing_forward_pass_ends_every_request_of_the_engine_and_restart_ser
         again = engine.generate(GenerationRequest(prompt, greedy(max_tokens=6)), TIMEOUT)
         assert again.tokens == expected.tokens
         assert engine.stats()["finish_reasons"] == {"length": 2, "error": 3}
+        if pipelined:
+            assert engine.stats()["pipelined_steps"] > 0
 
 
 def test_an_engine_thread_that_dies_leaves_no_request_waiting(tiny_loaded):
