@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from rewind.config import EngineConfig
 from rewind.engine import (
     Engine,
+    EngineStoppedError,
     FinishEvent,
     GenerationRequest,
     InvalidRequestError,
@@ -280,3 +281,67 @@ def test_each_row_keeps_its_own_sampling_in_a_mixed_batch(tiny_loaded):
     for t, a in zip(together, alone):
         assert t.tokens == a.tokens
     assert together[3].logprobs == pytest.approx(alone[3].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["stepwise", "pipelined-decode"])
+def test_a_failing_forward_pass_ends_every_request_of_the_engine_and_restart_serves_again(
+        tiny_loaded, tmp_path, monkeypatch, pipelined):
+    """A forward pass that raises (REWIND_TEST_FORWARD_FAULT, rewind.engine.faults) ends the
+    rows that were in it, the row waiting for a slot and nothing else: each gets an "error"
+    FinishEvent at once; the engine then takes nothing until restart(), which serves the same
+    answer as before on a new runner. Pipelined decode (the GPUs' default) queues a step before
+    reading the last one: the same holds there."""
+    loaded = tiny_loaded("llama")
+    trigger = tmp_path / "fault"
+    monkeypatch.setenv("REWIND_TEST_FORWARD_FAULT", str(trigger))
+    prompt = loaded.tokenizer.encode("hello world")
+    endless = greedy(max_tokens=2000, logit_bias=no_eos(loaded))
+    config = EngineConfig(parallel=2, max_queue=8, pipeline_decode=pipelined)
+    with Engine(loaded, config) as engine:
+        expected = engine.generate(GenerationRequest(prompt, greedy(max_tokens=6)), TIMEOUT)
+        handles = [engine.submit(GenerationRequest(prompt, endless)) for _ in range(3)]
+        assert isinstance(next(handles[0].events(TIMEOUT)), TokenEvent)  # decoding now
+        trigger.write_text("")  # empty: any model's next forward pass
+        finishes = [handle.collect(TIMEOUT).finish for handle in handles]
+        assert [f.reason for f in finishes] == ["error"] * 3
+        assert all("engine failure: InjectedFault" in f.error for f in finishes)
+        assert not trigger.exists()  # it fired once
+        assert engine.failure is not None and "InjectedFault" in engine.failure
+        engine._thread.join(TIMEOUT)
+        assert not engine.alive
+        with pytest.raises(EngineStoppedError, match="restarted"):
+            engine.submit(GenerationRequest(prompt, greedy()))
+        engine.restart()
+        assert engine.alive and engine.failure is None and engine.restarts == 1
+        again = engine.generate(GenerationRequest(prompt, greedy(max_tokens=6)), TIMEOUT)
+        assert again.tokens == expected.tokens
+        assert engine.stats()["finish_reasons"] == {"length": 2, "error": 3}
+        if pipelined:
+            assert engine.stats()["pipelined_steps"] > 0
+
+
+def test_an_engine_thread_that_dies_leaves_no_request_waiting(tiny_loaded):
+    """Whatever ends the engine thread (here an exception Engine._loop does not catch), every
+    request in the engine gets its FinishEvent and later submits raise: no caller waits for
+    ever."""
+    loaded = tiny_loaded("llama")
+    prompt = loaded.tokenizer.encode("hello world")
+    with Engine(loaded, EngineConfig(parallel=1, max_queue=8)) as engine:
+        scheduler = engine._scheduler
+        step = scheduler.step
+
+        def dying_step() -> bool:
+            if scheduler.decoding:
+                raise SystemExit("the engine thread ends")
+            return step()
+
+        scheduler.step = dying_step
+        handles = [engine.submit(GenerationRequest(prompt, greedy(max_tokens=50)))
+                   for _ in range(2)]
+        finishes = [handle.collect(TIMEOUT).finish for handle in handles]
+        assert [f.reason for f in finishes] == ["error", "error"]
+        assert "SystemExit: the engine thread ends" in finishes[1].error
+        engine._thread.join(TIMEOUT)
+        assert not engine.alive and "SystemExit" in engine.failure
+        with pytest.raises(EngineStoppedError):
+            engine.submit(GenerationRequest(prompt, greedy()))

@@ -1,6 +1,8 @@
 """kill -9 of `rewind serve` while it streams and while its disk tier writes, then a restart on the
 same cache folder: the client sees a clean connection error (no hang), nothing is left in the
-cache folder, and the new server serves the same answers."""
+cache folder, and the new server serves the same answers. With --cache-persist, a server stopped
+or killed -9 and restarted on the same folder serves the earlier prompt from the persisted
+cache."""
 
 from __future__ import annotations
 
@@ -80,10 +82,23 @@ def test_kill_9_while_streaming_and_writing_then_restart(tiny_model_path, tmp_pa
     assert list(cache_dir.iterdir()) == []
 
 
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(f"{name} "))
+
+
 @pytest.mark.slow
-def test_a_stopped_persistent_server_resumes_after_restart(tiny_model_path, tmp_path):
-    """`rewind serve --cache-persist` stopped as a user stops it (SIGTERM; Ctrl-C is SIGINT)
-    writes its index, and the restarted server serves the conversation from disk."""
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_stopped_or_killed_persistent_server_resumes_after_restart(tiny_model_path, tmp_path,
+                                                                    stop_signal):
+    """`rewind serve --cache-persist` stopped as a user stops it (SIGTERM; Ctrl-C is SIGINT), or
+    killed with -9 (what a native crash amounts to: nothing runs at exit; a supervisor restarts
+    it, docs/SUPERVISED.md): the server restarted on the same --cache-dir serves the earlier
+    prompt from the persisted cache, with the same greedy answer. A killed server writes no
+    index at exit: it has the one its disk writer wrote once idle (5 s after the last record),
+    which /metrics shows as rewind_prompt_cache_unindexed_changes 0."""
     folder = tiny_model_path("llama")
     cache_dir = tmp_path / "cache"
 
@@ -96,18 +111,32 @@ def test_a_stopped_persistent_server_resumes_after_restart(tiny_model_path, tmp_
         server.start().wait_ready(120)
         return server
 
-    def cached(url: str) -> int:
-        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
-        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    def ask(url: str) -> tuple[list[str], int]:
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        data = answer.json()
+        return (data["choices"][0]["logprobs"]["tokens"],
+                data["usage"]["prompt_tokens_details"]["cached_tokens"])
 
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        first = serve("first.log")
-        cached(first.base_url)
+    first = serve("first.log")
+    try:
+        answer, cached = ask(first.base_url)
+        assert cached == 0
+        if stop_signal == signal.SIGKILL:
+            deadline = time.monotonic() + 60
+            while (metric(first.base_url, "rewind_prompt_cache_disk_queued_bytes")
+                   or metric(first.base_url, "rewind_prompt_cache_unindexed_changes")):
+                assert time.monotonic() < deadline, "the index was never written"
+                time.sleep(0.1)
         first.process.send_signal(stop_signal)
         assert first.process.wait(30) in (0, -stop_signal, 128 + stop_signal)
-        again = serve("again.log")
-        try:
-            assert cached(again.base_url) == len(PROMPT) - 1
-        finally:
-            again.stop()
+    finally:
+        first.stop()
+    again = serve("again.log")
+    try:
+        assert metric(again.base_url, "rewind_prompt_cache_loaded_records") > 0
+        # The whole prompt but its last token, from the disk, and the same answer.
+        assert ask(again.base_url) == (answer, len(PROMPT) - 1)
+    finally:
+        again.stop()

@@ -106,6 +106,28 @@ def test_bytes_overwritten_after_the_snapshot_are_a_miss_never_a_wrong_record(tm
         reopened.close()
 
 
+def test_an_idle_store_writes_its_index_without_waiting_for_more_records(tmp_path):
+    """Records written and then nothing more: the index is written once the writer has been
+    idle `snapshot_seconds`, not only at the next write or at close, so a process killed while
+    idle (kill -9, a crash) loses none of them. Reading the folder while the store is still
+    open is what a restart after a kill reads."""
+    store = ScratchStore(tmp_path, 1 << 20, persist=True, snapshot_records=10_000,
+                         snapshot_seconds=0.2)
+    try:
+        fill(store, 3)
+        deadline = time.monotonic() + 30
+        while store.stats()["snapshots"] == 0:
+            assert time.monotonic() < deadline, "no index written while idle"
+            time.sleep(0.02)
+        index = persist.read_index(tmp_path)
+        assert index is not None and {entry.key for entry in index.entries} == {
+            keyed(i) for i in range(3)}
+        time.sleep(0.5)  # nothing new: no more snapshots
+        assert store.stats()["snapshots"] == 1
+    finally:
+        store.close()
+
+
 def test_a_foreign_or_old_index_is_set_aside(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="rewind.cache.store")
     store = ScratchStore(tmp_path, 1 << 20, persist=True)

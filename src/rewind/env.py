@@ -93,10 +93,15 @@ EXTRAS = Var("REWIND_EXTRAS", "the pip extras scripts/setup.sh installs")
 # `rewind ps`: which server to ask, and its key (the flags --url and --api-key win).
 URL = Var("REWIND_URL", "the server `rewind ps` asks (default http://127.0.0.1:1234)")
 API_KEY = Var("REWIND_API_KEY", "the key `rewind ps` sends to the server")
+# Tests only (rewind.engine.faults): a trigger file; once it exists, the next forward pass of the
+# model it names raises, as a failing kernel would. Unset, nothing is checked.
+TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
+                         "tests only: a trigger file; once it exists, the next forward pass of "
+                         "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, FAST_GELU,
-                        NO_AVX512, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS,
-                        URL, API_KEY)
+                        NO_AVX512, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
+                        EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
 
 def check_all() -> list[str]:
@@ -169,6 +174,11 @@ def server_url() -> str | None:
 
 def api_key() -> str | None:
     return API_KEY.get()
+
+
+def forward_fault_file() -> Path | None:
+    value = TEST_FORWARD_FAULT.get()
+    return Path(value).expanduser() if value else None
 
 
 @contextmanager

@@ -15,7 +15,9 @@ cache only makes answers faster, so a failing disk must only make them slower.
 
 With persist=True (rewind serve --cache-persist) the file is named instead and reopened by the
 next process, with an index snapshotted every N records or T seconds and at close; each record
-is framed with its key and checked when it is read (file format and lock: persist.py).
+is framed with its key and checked when it is read (file format and lock: persist.py). A store
+whose writer has been idle T seconds with records not yet in the index writes it then, so a
+process killed later (kill -9, a crash) loses nothing it wrote.
 """
 
 from __future__ import annotations
@@ -250,7 +252,9 @@ class ScratchStore:
             self.disabled_reason = f"cannot open a scratch file in {self.folder}: {error}"
             log.warning("disk cache disabled: %s", self.disabled_reason)
             return
-        self._writer = Writer(self._write_job, queue_size, name="rewind-disk-writer")
+        self._writer = Writer(self._write_job, queue_size, name="rewind-disk-writer",
+                              on_idle=self._snapshot_if_changed if self.persistent else None,
+                              idle_seconds=self.snapshot_seconds)
         self.enabled = True
 
     # ---- the API -----------------------------------------------------------------------
@@ -424,6 +428,8 @@ class ScratchStore:
                 "free_bytes": self._free.free_bytes,
                 "last_error": self.last_error,
                 "persistent": self.persistent,
+                # Index changes not yet in the index file: records a kill -9 now would lose.
+                "unindexed_changes": self._changes if self.persistent else 0,
                 **self._counts,
             }
 
@@ -458,6 +464,15 @@ class ScratchStore:
             with self._lock:
                 self._counts["snapshots"] += 1
             return True
+
+    def _snapshot_if_changed(self) -> None:
+        """The writer thread, idle `snapshot_seconds`: write the index if it changed since the
+        last snapshot (records that came after a burst would otherwise wait for the next write,
+        and die with the process if it is killed first)."""
+        with self._lock:
+            changed = self._changes > 0 and self._fd >= 0
+        if changed:
+            self.snapshot()
 
     def notes(self) -> list[tuple[Key, Key | None, bytes]]:
         """(key, parent, note) of the stored records that were put with a note."""

@@ -3,7 +3,8 @@
 The engine thread hands records to the disk tier through this: submit() returns at once unless
 the queue is full (then the producer waits, which bounds the RAM held by records in flight).
 The handler must not raise; if it does anyway the error is counted and the thread goes on, since
-a dead writer would silently stop the disk tier.
+a dead writer would silently stop the disk tier. `on_idle` runs on the same thread after every
+`idle_seconds` without a job (a persistent store writes its index then).
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ class Writer(Generic[Job]):
     """One daemon thread calling `handle(job)` for each submitted job, in order."""
 
     def __init__(
-        self, handle: Callable[[Job], None], queue_size: int = 64, name: str = "rewind-writer"
+        self, handle: Callable[[Job], None], queue_size: int = 64, name: str = "rewind-writer",
+        on_idle: Callable[[], None] | None = None, idle_seconds: float | None = None,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if on_idle is not None and not (idle_seconds and idle_seconds > 0):
+            raise ValueError(f"on_idle needs idle_seconds > 0, got {idle_seconds}")
         self._handle = handle
+        self._on_idle = on_idle
+        self._idle_seconds = idle_seconds if on_idle is not None else None
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._closed = threading.Event()
         self._dropping = False  # set by close(drain=False): remaining jobs are skipped
@@ -118,7 +124,11 @@ class Writer(Generic[Job]):
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=self._idle_seconds)
+            except queue.Empty:  # only with on_idle: nothing came for idle_seconds
+                self._idle()
+                continue
             self._running.wait()
             try:
                 if job is _STOP:
@@ -135,6 +145,13 @@ class Writer(Generic[Job]):
                     log.exception("writer job failed")
             finally:
                 self._queue.task_done()
+
+    def _idle(self) -> None:
+        try:
+            self._on_idle()  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - as for a job: the writer must go on
+            self.errors += 1
+            log.exception("writer idle task failed")
 
     def _discard_rest(self) -> None:
         # A submit that raced close() may have queued behind the sentinel: settle it so that

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from rewind.config import BLOCK_TOKENS, EngineConfig
 from rewind.memory import release_free_heap
+from rewind.engine.faults import forward_fault
 from rewind.engine.grammar import GrammarBackend
 from rewind.engine.request import (
     EngineStoppedError,
@@ -189,16 +190,24 @@ class Engine:
         self._grammar = GrammarBackend(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._listeners: list[SampleListener] = [self._record_sample]
         self._samples: dict[str, deque[float]] = {}
-        block_tokens = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
-        self.runner = ModelRunner(
-            loaded.model, max_kv_size=self.config.max_kv_size,
-            chunk_tokens=engine_chunk_tokens(self.config.chunk_tokens, block_tokens))
-        self._scheduler = Scheduler(self.runner, self.config, prompt_cache,
-                                    self.eos_token_ids, self._listeners)
+        self._build()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
+        # Why the engine stopped itself (see _fail); None while it serves. restart() clears it.
+        self.failure: str | None = None
+        self.restarts = 0
+
+    def _build(self) -> None:
+        """The runner and the scheduler: everything a step touches besides the model."""
+        block_tokens = getattr(self.prompt_cache, "block_tokens", None) or BLOCK_TOKENS
+        self.runner = ModelRunner(
+            self.loaded.model, max_kv_size=self.config.max_kv_size,
+            chunk_tokens=engine_chunk_tokens(self.config.chunk_tokens, block_tokens),
+            fault=forward_fault(str(getattr(self.loaded, "name", ""))))
+        self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
+                                    self.eos_token_ids, self._listeners)
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -225,6 +234,18 @@ class Engine:
         atexit.unregister(self.shutdown)
         self._scheduler.abort_all("cancelled", "the engine shut down")
 
+    def restart(self) -> Engine:
+        """Serve again after a failure (`failure` set): a new runner and scheduler over the same
+        model and prompt cache, on a new thread; the counters carry on. The model pool restarts
+        engines it owns with their model loaded again; this is for an engine the caller owns."""
+        self.shutdown()
+        counters = self._scheduler.counters
+        self._build()
+        self._scheduler.counters = counters
+        self.failure = None
+        self.restarts += 1
+        return self.start()
+
     def __enter__(self) -> Engine:
         return self.start()
 
@@ -240,6 +261,9 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises QueueFullError past max_queue, InvalidRequestError on bad
         input, EngineStoppedError when the engine is not running."""
+        if self.failure is not None:
+            raise EngineStoppedError(f"the engine stopped after a failure ({self.failure}); "
+                                     "retry: it is being restarted")
         if not self.alive or self._stopping.is_set():
             raise EngineStoppedError("the engine is not running")
         if not request.prompt_tokens:
@@ -325,6 +349,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the thread, no request waits
+            self._fail(exc)
         finally:
             # MLX keeps per-thread streams and compile caches; a thread that ends without
             # clearing them makes the process abort at exit ("terminate called ...").
@@ -337,15 +363,30 @@ class Engine:
             self._wakeup.clear()  # before the step: a submit during it keeps the flag set
             try:
                 did_work = scheduler.step()
-            except Exception as exc:  # a bug outside any one request: fail those in flight
-                log.exception("engine step failed")
-                scheduler.abort_all("error", f"engine failure: {type(exc).__name__}: {exc}")
-                did_work = False
-            if busy and not did_work:
-                # Idle again: the requests' temporaries are freed (by reference counting; a
-                # full garbage collection would hold the next request ~45 ms): hand them back.
-                mx.clear_cache()
-                release_free_heap(collect=False)
+                if busy and not did_work:
+                    # Idle again: the requests' temporaries are freed (by reference counting; a
+                    # full garbage collection would hold the next request ~45 ms): hand them
+                    # back.
+                    mx.clear_cache()
+                    release_free_heap(collect=False)
+            except Exception as exc:  # a failure outside any one request: see _fail
+                self._fail(exc)
+                return
             busy = did_work
             if not did_work:
                 self._wakeup.wait(0.5)  # until submit / cancel / shutdown sets it
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop after a failure no single request can be blamed for (a forward pass that
+        raised: which row caused it is unknown, and the caches and the runner's state may be
+        half advanced): every request in the engine ends at once with reason "error", later
+        submits raise EngineStoppedError, and the thread ends. Its owner restarts it (the model
+        pool: with its model loaded again; see restart())."""
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.error("the engine of %s failed (%s): its requests end with an error and it stops "
+                  "until restarted", getattr(self.loaded, "name", "?"), self.failure,
+                  exc_info=exc)
+        try:
+            self._scheduler.close("error", f"engine failure: {self.failure}")
+        except Exception:  # noqa: BLE001 - logged; the thread ends either way
+            log.exception("ending the requests of the failed engine failed")

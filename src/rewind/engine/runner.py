@@ -97,8 +97,11 @@ class ModelRunner:
     """Owns the model's forward calls; one per engine, engine thread only."""
 
     def __init__(self, model: Any, max_kv_size: int | None = None,
-                 chunk_tokens: int | None = None, kernels: ModelKernels | None = None) -> None:
+                 chunk_tokens: int | None = None, kernels: ModelKernels | None = None,
+                 fault: Callable[[], None] | None = None) -> None:
         self.model = model
+        # Tests only: called before each forward call, may raise (rewind.engine.faults).
+        self.fault = fault
         # The kernel backend's pieces for this model (rewind.kernels.backend): handed in, or
         # asked of the process's backend.
         self.kernels = kernels if kernels is not None else kernels_for(model)
@@ -191,6 +194,8 @@ class ModelRunner:
         mx.async_eval)."""
         if not segments:
             return []
+        if self.fault is not None:
+            self.fault()
         rows_of = [len(s.cache) if isinstance(s.cache, RowCaches) else 0 for s in segments]
         if any(rows_of):
             return self._forward_rows(segments, rows_of, evaluate)

@@ -32,6 +32,7 @@ import mlx.core as mx
 from rewind.config import BLOCK_TOKENS, PASS_TOKENS, EngineConfig
 from rewind.engine.positions import takes_positions
 from rewind.engine.request import (
+    EngineStoppedError,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -144,11 +145,14 @@ class Scheduler:
         self.batch_cache: list[Any] | None = None
         self._typical_request_seconds = 0.0  # moving average over finished requests
         self._restored_now = False  # this step restored a prefix from the prompt cache
+        self.closed: str | None = None  # why enqueue() refuses (close()); None: it takes requests
 
     # ---- called from any thread -------------------------------------------------------------
 
     def enqueue(self, seq: Sequence) -> None:
         with self._lock:
+            if self.closed is not None:
+                raise EngineStoppedError(self.closed)
             if len(self.waiting) >= self.config.max_queue:
                 raise QueueFullError(len(self.waiting), self.config.max_queue,
                                      self._retry_after(len(self.waiting)))
@@ -171,7 +175,13 @@ class Scheduler:
     # ---- engine thread only -----------------------------------------------------------------
 
     def step(self) -> bool:
-        """One loop iteration; False when there was nothing to do."""
+        """One loop iteration; False when there was nothing to do.
+
+        A failure of one request's own inputs or outputs (its image embeddings, its sampler or
+        grammar, its text, its checkpoint) ends that request here. A failure of the model's work
+        (a forward call, or the evaluation of its outputs) raises out of step(): which row
+        caused it is unknown and every cache in the pass may be half advanced, so the engine
+        ends all its requests and stops (Engine._fail)."""
         if self._inflight is not None:
             if self._can_pipeline():
                 self._pipelined_step()
@@ -217,6 +227,13 @@ class Scheduler:
                       (now - started) * 1e3, (admitted - started) * 1e3)
         return True
 
+    def close(self, reason: FinishReason, error: str) -> None:
+        """abort_all, and refuse every later enqueue with EngineStoppedError(error): a request
+        submitted while the engine fails gets an answer, never a queue nobody steps."""
+        with self._lock:
+            self.closed = error
+        self.abort_all(reason, error)
+
     def abort_all(self, reason: FinishReason, error: str | None) -> None:
         """Finish every request in the engine (shutdown, or a failure outside any request)."""
         with self._lock:
@@ -248,15 +265,16 @@ class Scheduler:
         previous = self._inflight
         inputs = (mx.array([[s.next_input] for s in self.decoding]) if previous is None
                   else previous.tokens.reshape(-1, 1))
+        self._inflight = None
+        # A failing forward call raises out of step() (see step).
+        logits = self.runner.forward(
+            [Segment(inputs, self.batch_cache or [], logits=True)], evaluate=False)[0]
         try:
-            logits = self.runner.forward(
-                [Segment(inputs, self.batch_cache or [], logits=True)], evaluate=False)[0]
             lazy = sample_lazy([s.sampler for s in self.decoding], logits)
-            mx.async_eval(lazy.arrays())
         except Exception as exc:
-            self._inflight = None
             self._fail_decoding(exc)
             return
+        mx.async_eval(lazy.arrays())
         self._inflight = lazy
         if previous is not None:
             # The step just queued fed these tokens: the caches hold them once it is done.
@@ -501,17 +519,8 @@ class Scheduler:
                 self._fail_prefill(chunk.seq, exc)
         if not segments:
             return
-        try:
-            logits = self.runner.forward(segments)
-        except Exception as exc:
-            # Which segment failed is unknown, and the caches of the others may be half
-            # advanced: every sequence of this pass ends.
-            log.exception("forward pass failed")
-            if with_decode:
-                self._fail_decoding(exc)
-            for chunk, _ in taken:
-                self._fail_prefill(chunk.seq, exc)
-            return
+        # A failing forward call raises out of step() (see step).
+        logits = self.runner.forward(segments)
         if with_decode:
             self._after_decode(logits[0])
             logits = logits[1:]
@@ -598,13 +607,10 @@ class Scheduler:
 
     def _emit_decoded(self, lazy: LazySamples, fed: bool) -> None:
         """Emit one token per decoding row; rows that finish leave the batch. `fed`: a queued
-        step already took these tokens as its input (pipelined), so the caches hold them."""
-        try:
-            results = read_samples(lazy)
-        except Exception as exc:
-            self._inflight = None
-            self._fail_decoding(exc)
-            return
+        step already took these tokens as its input (pipelined), so the caches hold them.
+        Reading them evaluates the forward pass of a pipelined step: a failure raises out of
+        step() (see step)."""
+        results = read_samples(lazy)
         done = [i for i, (seq, sampled) in enumerate(zip(self.decoding, results))
                 if not self._on_token(seq, sampled)]
         if self.prompt_cache is not None:

@@ -68,6 +68,10 @@ class _LiveGauges(Collector):
         yield GaugeMetricFamily("rewind_prompt_cache_disk_queued_bytes",
                                 "Record bytes held in RAM until the disk writer takes them",
                                 value=float(disk.get("queued_bytes", 0)))
+        yield GaugeMetricFamily("rewind_prompt_cache_unindexed_changes",
+                                "Records written (or dropped) since a persistent cache last "
+                                "wrote its index: what a kill -9 now would lose",
+                                value=float(disk.get("unindexed_changes", 0)))
         faults = CounterMetricFamily("rewind_prompt_cache_disk_faults",
                                      "Disk-tier faults by kind; each cost a recompute, never an "
                                      "answer", labels=["kind"])

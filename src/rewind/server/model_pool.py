@@ -6,6 +6,11 @@ included), so an unload waits for exactly the requests that use the model. Loads
 one at a time (`_change`), the model's files are read on a worker thread, and every model's
 engine is the existing Engine, created and shut down through its public API.
 
+An engine that fails (a forward pass that raised: Engine._fail ends its requests with an error
+and stops it) is restarted with its model: unloaded and loaded again, by the reaper within
+REAPER_SECONDS, or by the next request for it, whichever comes first (`_recover`). Its prompt
+cache is kept, as across any unload, so the restarted engine hits the same prefixes.
+
 What an unload frees: the engine (its thread, live caches), the model's arrays, MLX's buffer
 cache and glibc's free heap. What it keeps: the model's PromptCache (its partial-point index)
 with the model detached; its records stay in the shared tiers, so a reload hits them.
@@ -117,6 +122,7 @@ class Slot:
     load_seconds: float = 0.0
     unloads: Counter[str] = field(default_factory=Counter)
     fallbacks: int = 0
+    restarts: int = 0  # engines restarted after a failure
     drained: asyncio.Event | None = None
 
     @property
@@ -208,7 +214,10 @@ class ModelPool:
         self._start_reaper()
         slot = self.slot(name)
         note = None
-        while slot.state != "loaded":
+        while slot.state != "loaded" or _failed(slot):
+            if _failed(slot):
+                await self._recover(slot)
+                continue
             served, note = await self.ensure_loaded(slot)
             slot = served
         slot.leases += 1
@@ -246,8 +255,31 @@ class ModelPool:
         while True:
             await asyncio.sleep(REAPER_SECONDS)
             for slot in list(self._slots.values()):
+                if _failed(slot):
+                    try:
+                        await self._recover(slot)
+                    except Exception:  # noqa: BLE001 - the next request for it tries again
+                        log.exception("restarting the engine of %s failed", slot.name)
                 if slot.unload_at is not None and time.monotonic() >= slot.unload_at:
                     await self._unload_if_due(slot)
+
+    async def _recover(self, slot: Slot) -> None:
+        """Restart a failed engine with its model: a model this pool loaded is unloaded (once
+        the responses of its failed requests are out) and loaded again, so nothing the failure
+        may have left behind (the runner's and kernels' state, the model's arrays) is reused; an
+        engine the caller owns (pinned) is restarted over the same model (Engine.restart)."""
+        async with self._lock():
+            if not _failed(slot):
+                return  # restarted meanwhile
+            log.warning("restarting the engine of %s with its model after a failure (%s)",
+                        slot.name, slot.engine.failure)
+            slot.restarts += 1
+            if slot.pinned:
+                await asyncio.to_thread(slot.engine.restart)
+                return
+            await self._unload(slot, "engine_failed")
+            await self._make_room(slot)
+            await self._load(slot)
 
     async def _unload_if_due(self, slot: Slot) -> None:
         async with self._lock():
@@ -607,9 +639,16 @@ class ModelPool:
             out["memory_bytes"] = slot.loaded_bytes
             out["running"] = slot.leases
             out["load_seconds"] = round(slot.load_seconds, 3)
+            out["engine_restarts"] = slot.restarts
             if slot.unload_at is not None:
                 out["unload_in_seconds"] = round(max(0.0, slot.unload_at - time.monotonic()), 1)
         return out
+
+
+def _failed(slot: Slot) -> bool:
+    """Whether the slot's engine stopped after a failure and waits for a restart."""
+    return (slot.state == "loaded" and slot.engine is not None
+            and getattr(slot.engine, "failure", None) is not None)
 
 
 def _tokenizer_key(path: Path) -> str:

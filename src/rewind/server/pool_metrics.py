@@ -31,7 +31,10 @@ class PoolGauges(Collector):
                                     labels=["model"])
         unloads = CounterMetricFamily("rewind_model_unloads",
                                       "Unloads of each model, by reason (idle, keep_alive, "
-                                      "lru, request)", labels=["model", "reason"])
+                                      "lru, request, engine_failed)", labels=["model", "reason"])
+        restarts = CounterMetricFamily("rewind_engine_restarts",
+                                       "Engines restarted with their model after a failure",
+                                       labels=["model"])
         for slot in pool.slots():
             for name in STATES:
                 state.add_metric([slot.name, name], float(slot.state == name))
@@ -39,9 +42,10 @@ class PoolGauges(Collector):
                                                if slot.state in ("loaded", "unloading") else 0))
             leases.add_metric([slot.name], float(slot.leases))
             loads.add_metric([slot.name], float(slot.loads))
-            for reason in ("idle", "keep_alive", "lru", "request"):
+            for reason in ("idle", "keep_alive", "lru", "request", "engine_failed"):
                 unloads.add_metric([slot.name, reason], float(slot.unloads.get(reason, 0)))
-        yield from (state, size, leases, loads, unloads)
+            restarts.add_metric([slot.name], float(slot.restarts))
+        yield from (state, size, leases, loads, unloads, restarts)
         yield GaugeMetricFamily("rewind_models_loaded", "Models loaded now",
                                 value=float(len(pool.loaded())))
         budget = pool.budget.stats()

@@ -185,8 +185,9 @@ class ModelRuntime:
                            headers={"Retry-After": str(retry)}) from exc
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from exc
-        except EngineStoppedError as exc:
-            raise ApiError(503, "overloaded", str(exc)) from exc
+        except EngineStoppedError as exc:  # a failed engine, until the pool restarts it
+            raise ApiError(503, "overloaded", str(exc), code="engine_stopped",
+                           headers={"Retry-After": "1"}) from exc
 
     async def render(self, messages: Any, tools: Any = None, **kwargs: Any) -> Any:
         """The formatter's render off the event loop: templating and tokenizing a long
