@@ -283,3 +283,21 @@ def test_matvec_matches_numpy(form: str, rows: int) -> None:
     np.testing.assert_allclose(y, x @ weight.T, rtol=1e-5, atol=1e-4)
     with pytest.raises(KernelCallError, match="x"):
         kernels.matvec(matrix, x[:0], y, 2)  # no rows is refused, not read out of bounds
+
+
+def test_loaded_bytes_counts_what_the_kernels_hold_beside_the_model(tiny_model_path) -> None:
+    """The memory budget charges a model's int8 copies (its layers' and its C head's) on top of
+    its arrays; the bf16 form reads the model's own arrays and adds nothing (issue 24: the head's
+    copy was read from an attribute nothing set)."""
+    from rewind.kernels.fast_head import fast_head
+    from rewind.models.memory_estimate import kernel_copy_bytes, loaded_bytes
+
+    path = str(tiny_model_path("llama"))
+    exact = load_model(path, native_forward="bf16").model
+    assert kernel_copy_bytes(exact) == 0
+    copies = load_model(path, native_forward="int8", cpu_head="int8").model
+    head, forward = fast_head(copies), native_forward(copies)
+    assert head is not None and forward is not None and head.own_bytes > 0
+    assert kernel_copy_bytes(copies) == head.own_bytes + forward.nbytes
+    arrays_only = loaded_bytes(copies) - kernel_copy_bytes(copies)
+    assert arrays_only > 0 and loaded_bytes(copies) > arrays_only

@@ -197,7 +197,18 @@ def loaded_bytes(model: Any) -> int:
         if id(array) not in seen:
             seen.add(id(array))
             total += array.nbytes
-    # The CPU head's bf16 / int8 copy lives in NumPy, outside the parameter tree (a float32
-    # model's is ~0.31 GiB for Gemma 3's head).
-    head = model.__dict__.get("_rewind_fast_head") if hasattr(model, "__dict__") else None
-    return total + (int(getattr(head, "own_bytes", 0)) if head is not None else 0)
+    return total + kernel_copy_bytes(model)
+
+
+def kernel_copy_bytes(model: Any) -> int:
+    """Bytes the CPU kernels hold in NumPy beside the model's arrays: the C head's bf16 / int8
+    copy (~0.31 GiB for a float32 Gemma 3's head) and the native forward's int8 or float32
+    weights (its bf16 form reads the model's own arrays in place: nothing of its own)."""
+    from rewind.kernels.fast_head import fast_head
+    from rewind.kernels.native_forward import native_forward
+
+    head, forward = fast_head(model), native_forward(model)
+    held = int(head.own_bytes) if head is not None else 0
+    if forward is not None and forward.form != "bf16":
+        held += int(forward.nbytes)
+    return held
