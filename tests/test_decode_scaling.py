@@ -44,4 +44,6 @@ def test_quick_run_writes_rows(tmp_path: Path) -> None:
         assert parts["engine"]["finish_reasons"] == {"length": int(next(
             k for k, v in rows.items() if v is parts))}
         assert parts["engine"]["per_step"]["steps"] > 0
+        # Decode rows sample through sample_lazy / read_samples: their time is counted.
+        assert parts["engine"]["per_step"]["sample_ms"] > 0
     assert "| 1 |" in (tmp_path / "out.md").read_text()

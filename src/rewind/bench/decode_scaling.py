@@ -210,7 +210,9 @@ class StepRecord:
     ended: float = 0.0
     forward_s: float = 0.0  # ModelRunner.forward: graph building + evaluation (synchronous)
     build_s: float = 0.0  # of which building the lazy graph (the model's Python)
-    sample_s: float = 0.0  # sample_rows: the sampler's graph, its evaluation, tokens to Python
+    # The sampler: its graph (sample_lazy), its evaluation and tokens to Python (read_samples),
+    # and a prompt's first token (sample_rows).
+    sample_s: float = 0.0
     decode_rows: int = 0
     prefill_segments: int = 0
 
@@ -227,12 +229,15 @@ class StepTimers:
         self._module = scheduler_module
         self._scheduler = engine._scheduler
         self._runner = engine.runner
-        self._original_sample = scheduler_module.sample_rows
+        # What the scheduler samples with, by name in its module: decode rows use sample_lazy and
+        # read_samples, a prompt's first token sample_rows (timing only that one read 0 ms).
+        self._sampling = {name: getattr(scheduler_module, name)
+                          for name in ("sample_rows", "sample_lazy", "read_samples")}
 
     def __enter__(self) -> StepTimers:
         scheduler, runner = self._scheduler, self._runner
         step, forward = scheduler.step, runner.forward
-        one, heads, sample = runner._one, runner._heads, self._original_sample
+        one, heads = runner._one, runner._heads
 
         def timed_step() -> bool:
             record = StepRecord(time.perf_counter())
@@ -268,18 +273,21 @@ class StepTimers:
                         self._current.build_s += time.perf_counter() - started
             return wrapped
 
-        def timed_sample(samplers: list[Any], logits: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return sample(samplers, logits)
-            finally:
-                if self._current is not None:
-                    self._current.sample_s += time.perf_counter() - started
+        def timed_sample(function: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*args: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return function(*args)
+                finally:
+                    if self._current is not None:
+                        self._current.sample_s += time.perf_counter() - started
+            return wrapped
 
         scheduler.step = timed_step
         runner.forward = timed_forward
         runner._one, runner._heads = timed_build(one), timed_build(heads)
-        self._module.sample_rows = timed_sample
+        for name, function in self._sampling.items():
+            setattr(self._module, name, timed_sample(function))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -287,7 +295,8 @@ class StepTimers:
             self._scheduler.__dict__.pop(name, None)
         for name in ("forward", "_one", "_heads"):
             self._runner.__dict__.pop(name, None)
-        self._module.sample_rows = self._original_sample
+        for name, function in self._sampling.items():
+            setattr(self._module, name, function)
 
     def breakdown(self, start: float, end: float, rows: int) -> dict[str, Any]:
         """Mean milliseconds per pure decode step of all `rows` inside [start, end]."""
