@@ -263,31 +263,23 @@ class StepTimers:
                         else:
                             self._current.prefill_segments += 1
 
-        def timed_build(function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(function: Callable[..., Any], field: str) -> Callable[..., Any]:
+            """`function`, its time added to the current step's `field`."""
             def wrapped(*args: Any) -> Any:
                 started = time.perf_counter()
                 try:
                     return function(*args)
                 finally:
                     if self._current is not None:
-                        self._current.build_s += time.perf_counter() - started
-            return wrapped
-
-        def timed_sample(function: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(*args: Any) -> Any:
-                started = time.perf_counter()
-                try:
-                    return function(*args)
-                finally:
-                    if self._current is not None:
-                        self._current.sample_s += time.perf_counter() - started
+                        setattr(self._current, field, getattr(self._current, field)
+                                + time.perf_counter() - started)
             return wrapped
 
         scheduler.step = timed_step
         runner.forward = timed_forward
-        runner._one, runner._heads = timed_build(one), timed_build(heads)
+        runner._one, runner._heads = timed(one, "build_s"), timed(heads, "build_s")
         for name, function in self._sampling.items():
-            setattr(self._module, name, timed_sample(function))
+            setattr(self._module, name, timed(function, "sample_s"))
         return self
 
     def __exit__(self, *exc: object) -> None:
