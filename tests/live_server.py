@@ -68,6 +68,16 @@ def post(live: Live, path: str, body: Any, **kwargs: Any) -> httpx.Response:
                       **kwargs)
 
 
+def greedy_completion(url: str, prompt: list[int], tokens: int = 6) -> tuple[list[str], int]:
+    """(the greedy answer's tokens, the prompt tokens served from the cache) of a completion."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "logprobs": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    return (data["choices"][0]["logprobs"]["tokens"],
+            data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
 def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     error = response.json()["error"]

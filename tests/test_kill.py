@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from live_server import greedy_completion
 
 from rewind.bench.harness import ServerProcess, free_port
 
@@ -31,10 +32,7 @@ def start(folder: Path, cache_dir: Path, log: Path) -> ServerProcess:
 
 
 def greedy(url: str, prompt: list[int], tokens: int = 6) -> list[str]:
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "logprobs": 0}
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["choices"][0]["logprobs"]["tokens"]
+    return greedy_completion(url, prompt, tokens)[0]
 
 
 @pytest.mark.slow
@@ -112,12 +110,7 @@ def test_a_stopped_or_killed_persistent_server_resumes_after_restart(tiny_model_
         return server
 
     def ask(url: str) -> tuple[list[str], int]:
-        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0}
-        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert answer.status_code == 200, answer.text
-        data = answer.json()
-        return (data["choices"][0]["logprobs"]["tokens"],
-                data["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return greedy_completion(url, PROMPT, 6)
 
     first = serve("first.log")
     try:

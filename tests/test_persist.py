@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import Live, post, tiny_live_server
+from live_server import Live, greedy_completion, post, tiny_live_server
 from test_disk_faults import tmpfs
 from test_store import record_of, same
 
@@ -308,12 +308,7 @@ def test_kill_9_during_a_burst_of_writes_then_restart(tiny_model_path, tmp_path)
     burst = [[(17 * i + k) % 500 + 3 for k in range(600)] for i in range(2000)]
 
     def greedy(url: str, prompt: list[int]) -> tuple[list[str], int]:
-        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 0}
-        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert answer.status_code == 200, answer.text
-        data = answer.json()
-        return (data["choices"][0]["logprobs"]["tokens"],
-                data["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return greedy_completion(url, prompt, 2)
 
     def start(log: Path) -> ServerProcess:
         port = free_port()
