@@ -101,37 +101,88 @@ def element_strides(array: np.ndarray) -> native.Strides4:
     return native.Strides4(*(s // array.itemsize for s in array.strides))
 
 
+def weight_layout(form: int, rows: int, cols: int) -> tuple[np.dtype, tuple[int, int]]:
+    """The dtype and shape of a [rows, cols] weight as stored in `form`: its values, or for a
+    GGUF form each row's blocks as bytes."""
+    if form >= native.FORM_GGML:
+        block = native.GGML_BLOCKS.get(form - native.FORM_GGML)
+        if block is None:
+            raise KernelCallError(f"weight: ggml type {form - native.FORM_GGML} is not one the "
+                                  f"kernels read ({', '.join(native.GGML_TYPES)})")
+        values, nbytes = block
+        if cols % values:
+            raise KernelCallError(f"weight: {cols} columns are not whole blocks of {values}")
+        return _U8, (rows, cols // values * nbytes)
+    if form not in _WEIGHT_DTYPES:
+        raise KernelCallError(f"weight: unknown form {form}")
+    return _WEIGHT_DTYPES[form], (rows, cols)
+
+
 @dataclass(frozen=True)
-class MatrixArgs:
-    """A weight matrix [rows, cols] in a kernel form, with its per-row scale (int8) and bias, and
-    the struct that points at them: the object owns what the struct points into."""
+class PartArgs:
+    """Rows of a weight matrix in one form: values [rows, cols], or GGUF blocks [rows, bytes]."""
 
     weight: np.ndarray
     form: int
-    scale: np.ndarray | None
+    scale: np.ndarray | None  # one per row for int8, else None
+    rows: int
+
+
+@dataclass(frozen=True)
+class MatrixArgs:
+    """A weight matrix [rows, cols] made of parts stacked along its rows (each in its own form:
+    a GGUF may store q and k in Q5_0 and v in Q8_0), with its bias, and the struct that points
+    at them: the object owns what the struct points into."""
+
+    parts: tuple[PartArgs, ...]
+    cols: int
     bias: np.ndarray | None
     struct: native.Matrix
 
     @property
     def rows(self) -> int:
-        return int(self.weight.shape[0])
+        return sum(part.rows for part in self.parts)
 
     @property
-    def cols(self) -> int:
-        return int(self.weight.shape[1])
+    def nbytes(self) -> int:
+        arrays = [a for part in self.parts for a in (part.weight, part.scale) if a is not None]
+        return sum(a.nbytes for a in arrays) + (0 if self.bias is None else self.bias.nbytes)
 
     @classmethod
     def build(cls, weight: np.ndarray, form: int, scale: np.ndarray | None = None,
-              bias: np.ndarray | None = None) -> "MatrixArgs":
-        if form not in _WEIGHT_DTYPES or getattr(weight, "ndim", 0) != 2:
+              bias: np.ndarray | None = None, cols: int | None = None) -> "MatrixArgs":
+        """One part: `weight` [rows, cols] in `form` (for a GGUF form, [rows, bytes], and `cols`
+        gives the values a row)."""
+        if getattr(weight, "ndim", 0) != 2:
             raise KernelCallError(f"weight: a 2-D matrix in a kernel form, got form {form}")
-        rows, cols = weight.shape
-        if (form == native.FORM_INT8) != (scale is not None):
-            raise KernelCallError("weight: int8 needs one scale per row, the other forms none")
-        struct = native.Matrix(checked(weight, "weight", _WEIGHT_DTYPES[form], (rows, cols)),
-                               _optional(scale, "scale", _F32, (rows,)),
-                               _optional(bias, "bias", _F32, (rows,)), form)
-        return cls(weight, form, scale, bias, struct)
+        if cols is None:
+            if form >= native.FORM_GGML:
+                raise KernelCallError("weight: a GGUF form needs its columns given")
+            cols = int(weight.shape[1])
+        return cls.stack([(weight, form, scale)], cols, bias)
+
+    @classmethod
+    def stack(cls, parts: list[tuple[np.ndarray, int, np.ndarray | None]], cols: int,
+              bias: np.ndarray | None = None) -> "MatrixArgs":
+        """Parts (weight, form, scale) stacked along their rows, each checked against `cols`."""
+        if not 1 <= len(parts) <= native.MAX_PARTS or cols < 1:
+            raise KernelCallError(f"weight: 1 to {native.MAX_PARTS} parts of >= 1 column")
+        checked_parts: list[PartArgs] = []
+        structs = []
+        for weight, form, scale in parts:
+            if getattr(weight, "ndim", 0) != 2 or weight.shape[0] < 1:
+                raise KernelCallError(f"weight: a 2-D matrix in a kernel form, got form {form}")
+            rows = int(weight.shape[0])
+            dtype, shape = weight_layout(form, rows, cols)
+            if (form == native.FORM_INT8) != (scale is not None):
+                raise KernelCallError("weight: int8 needs one scale per row, the other forms none")
+            structs.append(native.Part(checked(weight, "weight", dtype, shape),
+                                       _optional(scale, "scale", _F32, (rows,)), form, rows))
+            checked_parts.append(PartArgs(weight, form, scale, rows))
+        rows = sum(part.rows for part in checked_parts)
+        struct = native.Matrix((native.Part * native.MAX_PARTS)(*structs), len(structs),
+                               _optional(bias, "bias", _F32, (rows,)))
+        return cls(tuple(checked_parts), int(cols), bias, struct)
 
 
 @dataclass(frozen=True)
@@ -199,16 +250,34 @@ class Kernels:
 
     def matvec(self, matrix: MatrixArgs, x: np.ndarray, out: np.ndarray,
                threads: int) -> None:
-        """out [m, rows] = x [m, cols] @ weight.T (times the row scales), float32."""
+        """out [m, rows] = x [m, cols] @ weight.T (times the row scales) + bias, float32."""
         m = int(x.shape[0]) if getattr(x, "ndim", 0) == 2 else -1
         if m < 1:
             raise KernelCallError(f"x: expected [rows, {matrix.cols}] float32 rows")
-        status = self._library.matvec(
-            matrix.struct.weight, matrix.struct.scale, matrix.form,
-            checked(x, "x", _F32, (m, matrix.cols)),
+        status = self._library.matrix_product(
+            ctypes.byref(matrix.struct), checked(x, "x", _F32, (m, matrix.cols)),
             checked(out, "out", _F32, (m, matrix.rows), writes=True),
             matrix.rows, matrix.cols, m, max(1, threads))
+        if status == -2:
+            raise MemoryError("matrix kernel: no memory for the quantized activations")
         _status("matvec", status)
+
+    def dequantize_rows(self, weight: np.ndarray, form: int, cols: int, ids: np.ndarray,
+                        out: np.ndarray) -> None:
+        """out [n, cols] = rows `ids` of a GGUF-form weight [rows, bytes], as float32."""
+        if form < native.FORM_GGML or getattr(weight, "ndim", 0) != 2:
+            raise KernelCallError("dequantize_rows: a GGUF-form weight [rows, bytes]")
+        rows = int(weight.shape[0])
+        dtype, shape = weight_layout(form, rows, cols)
+        n = int(ids.shape[0]) if getattr(ids, "ndim", 0) == 1 else -1
+        if n < 0:
+            raise KernelCallError("ids: expected a 1-D int64 array")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise KernelCallError(f"ids: outside [0, {rows})")
+        _status("dequantize_rows", self._library.dequantize_rows(
+            checked(weight, "weight", dtype, shape), form - native.FORM_GGML, rows, cols,
+            checked(ids, "ids", _I64, (n,)), n,
+            checked(out, "out", _F32, (n, cols), writes=True)))
 
     def layer_pre(self, layer: LayerArgs, x: np.ndarray, positions: np.ndarray,
                   qkv_out: np.ndarray, scratch: np.ndarray) -> None:

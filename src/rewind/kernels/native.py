@@ -29,24 +29,39 @@ from rewind.paths import cache_home
 log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).resolve().parent / "c"  # the C sources, beside this package
-SOURCES = (NATIVE / "pool.c", NATIVE / "cpu_kernels.c", NATIVE / "attention.c",
+SOURCES = (NATIVE / "pool.c", NATIVE / "cpu_kernels.c", NATIVE / "quant.c", NATIVE / "attention.c",
            NATIVE / "gated_delta.c")
-HEADERS = (NATIVE / "simd.h",)
+HEADERS = (NATIVE / "simd.h", NATIVE / "quant.h")
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_VNNI_FLAGS = [*_AVX512_FLAGS, "-mavx512vnni"]
 
 FORM_F32, FORM_BF16, FORM_INT8 = 0, 1, 2
 FORMS = {"f32": FORM_F32, "bf16": FORM_BF16, "int8": FORM_INT8}
+# GGUF blocks read in place: the form is FORM_GGML + the ggml type (quant.h).
+FORM_GGML = 100
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+              "Q6_K": 14}
+GGML_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
+               13: (256, 176), 14: (256, 210)}  # type -> (values, bytes) of one block
 ACT_GELU_TANH, ACT_SILU = 0, 1
 
 _kernels: ctypes.CDLL | None = None
 _tried = False
 
 
-class Matrix(ctypes.Structure):
+class Part(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("form", ctypes.c_int64)]
+                ("form", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
+MAX_PARTS = 3
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("parts", Part * MAX_PARTS), ("count", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -104,10 +119,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-ISAS = ("avx2", "avx512")  # the instruction sets the kernels are built for (simd.h's two paths)
-_ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"},
-                  "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
-_ISA_COMPILE_FLAGS = {"avx2": _AVX2_FLAGS, "avx512": _AVX512_FLAGS}
+# The instruction sets the kernels are built for: simd.h's AVX2 and AVX-512 paths, and AVX-512
+# with VNNI, whose vpdpbusd does quant.c's int8 products in one instruction instead of two.
+ISAS = ("avx2", "avx512", "avx512vnni")
+_AVX512_CPU = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+_ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": _AVX512_CPU,
+                  "avx512vnni": _AVX512_CPU | {"avx512_vnni"}}
+_ISA_COMPILE_FLAGS = {"avx2": _AVX2_FLAGS, "avx512": _AVX512_FLAGS, "avx512vnni": _VNNI_FLAGS}
 _SANITIZER_FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                                 "-fno-omit-frame-pointer", "-g"],
                     "thread": ["-fsanitize=thread", "-fno-omit-frame-pointer", "-g"]}
@@ -122,12 +140,12 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def chosen_isa() -> str | None:
-    """The build the kernels use here: AVX-512 where the CPU has it and REWIND_NO_AVX512 is not
-    1, else AVX2; None where neither runs."""
+    """The build the kernels use here: the widest this CPU runs (AVX-512 with VNNI, AVX-512,
+    AVX2), AVX2 where REWIND_NO_AVX512 is 1; None where none runs."""
     isas = runnable_isas()
     if not isas:
         return None
-    return "avx2" if env.no_avx512() or "avx512" not in isas else "avx512"
+    return "avx2" if env.no_avx512() else isas[-1]
 
 
 def compile_flags(isa: str | None = None) -> list[str] | None:
@@ -148,18 +166,20 @@ def vector_width() -> int:
 
 
 def isa_vector_width(isa: str) -> int:
-    return 16 if isa == "avx512" else 8
+    return 16 if isa.startswith("avx512") else 8
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.matvec.argtypes = [p, p, ctypes.c_int, p, p, i64, i64, i64, ctypes.c_int]
+    lib.matrix_product.argtypes = [ctypes.POINTER(Matrix), p, p, i64, i64, i64, ctypes.c_int]
+    lib.dequantize_rows.argtypes = [p, ctypes.c_int, i64, i64, p, i64, p]
     lib.layer_pre.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p, p, p]
     lib.layer_post.argtypes = [ctypes.POINTER(Layer), ctypes.POINTER(Shape), p, i64, p, p]
     lib.rows_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.attention.argtypes = [ctypes.POINTER(Attention)]
     lib.gated_delta.argtypes = [ctypes.POINTER(GatedDelta)]
-    for name in ("matvec", "layer_pre", "layer_post", "rows_rms_norm", "attention", "gated_delta"):
+    for name in ("matrix_product", "dequantize_rows", "layer_pre", "layer_post",
+                 "rows_rms_norm", "attention", "gated_delta"):
         getattr(lib, name).restype = ctypes.c_int
 
 

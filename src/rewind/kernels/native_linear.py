@@ -61,7 +61,7 @@ class NativeLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return int(self._matrix.weight.nbytes)
+        return self._matrix.nbytes
 
 
 def use_in_model(model: Any) -> int:

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "quant.h"
 #include "simd.h"
 
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
@@ -29,7 +30,7 @@ enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
    compiler keeps every accumulator in a register. */
 #define DEFINE_BLOCK(NX)                                                                        \
   static inline void block_##NX(const void *W, const float *scale, int form, const float *x,    \
-                                float *y, int64_t o0, int64_t nr, int64_t in, int64_t out,      \
+                                float *y, int64_t o0, int64_t nr, int64_t in, int64_t ldy,      \
                                 int64_t r0) {                                                   \
     vf acc[RB][NX];                                                                             \
     for (int i = 0; i < RB; ++i)                                                                \
@@ -51,7 +52,7 @@ enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
         for (int64_t kk = k; kk < in; ++kk)                                                     \
           s += weight_at(W, form, (o0 + i) * in + kk) * x[(r0 + j) * in + kk];                 \
         if (scale) s *= scale[o0 + i];                                                          \
-        y[(r0 + j) * out + o0 + i] = s;                                                         \
+        y[(r0 + j) * ldy + o0 + i] = s;                                                         \
       }                                                                                         \
   }
 DEFINE_BLOCK(1)
@@ -64,7 +65,7 @@ DEFINE_BLOCK(4)
 
 typedef struct {
   const void *W; const float *scale; int form; const float *x; float *y;
-  int64_t out, in, m;
+  int64_t out, in, m, ldy;
 } MatvecJob;
 
 #define ROWS_PER_CLAIM 64 /* output rows per claimed block: a multiple of RB */
@@ -76,11 +77,11 @@ static void matvec_block(const void *arg, int64_t claim) {
     int64_t nr = end - o0 < RB ? end - o0 : RB;
     for (int64_t r0 = 0; r0 < j->m; r0 += XG) {
       switch (j->m - r0 < XG ? j->m - r0 : XG) {
-        case 1: block_1(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
-        case 2: block_2(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
+        case 1: block_1(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->ldy, r0); break;
+        case 2: block_2(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->ldy, r0); break;
 #if XG >= 4
-        case 3: block_3(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
-        case 4: block_4(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->out, r0); break;
+        case 3: block_3(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->ldy, r0); break;
+        case 4: block_4(j->W, j->scale, j->form, j->x, j->y, o0, nr, j->in, j->ldy, r0); break;
 #endif
       }
     }
@@ -88,11 +89,11 @@ static void matvec_block(const void *arg, int64_t claim) {
 }
 
 /* y[r][o] = scale[o] * sum_k W[o][k] x[r][k]; W [out, in] row-major in `form`; x [m, in],
-   y [m, out] float32. Output rows are split across `threads`. */
-int matvec(const void *W, const float *scale, int form, const float *x, float *y, int64_t out,
-           int64_t in, int64_t m, int threads) {
-  if (m < 1 || out < 1 || in < 1) return -1;
-  MatvecJob job = {W, scale, form, x, y, out, in, m};
+   y [m, ldy] float32. Output rows are split across `threads`. */
+static int matvec_ld(const void *W, const float *scale, int form, const float *x, float *y,
+                     int64_t out, int64_t in, int64_t ldy, int64_t m, int threads) {
+  if (m < 1 || out < 1 || in < 1 || ldy < out) return -1;
+  MatvecJob job = {W, scale, form, x, y, out, in, m, ldy};
   run_blocks(matvec_block, &job, (out + ROWS_PER_CLAIM - 1) / ROWS_PER_CLAIM, threads);
   return 0;
 }
@@ -127,21 +128,50 @@ static void rope_heads(float *row, int64_t heads, int64_t D, int64_t dims, float
   }
 }
 
+/* Rows of a weight matrix in one form: a matrix may stack parts of different forms (a GGUF's
+   q and k in Q5_0 over its v in Q8_0). */
 typedef struct {
-  const void *weight; /* [out, in] in `form` */
-  const float *scale; /* per output row (int8), else NULL */
-  const float *bias;  /* [out] or NULL */
-  int64_t form;
+  const void *weight; /* [rows, in] in `form`: float32, bf16, int8, or ggml blocks */
+  const float *scale; /* per row (int8), else NULL */
+  int64_t form;       /* FORM_*, or FORM_GGML + a ggml type */
+  int64_t rows;
+} Part;
+
+#define MAX_PARTS 3
+typedef struct {
+  Part parts[MAX_PARTS];
+  int64_t count;
+  const float *bias; /* [out] or NULL */
 } Matrix;
 
-/* y = W x (+ bias) for m rows, through `matvec`. */
+/* y = W x (+ bias) for m rows, each part's rows through its own kernel. */
 static int apply(const Matrix *M, const float *x, float *y, int64_t out, int64_t in, int64_t m,
                  int threads) {
-  int status = matvec(M->weight, M->scale, (int)M->form, x, y, out, in, m, threads);
-  if (status || !M->bias) return status;
+  if (M->count < 1 || M->count > MAX_PARTS) return -1;
+  int64_t first = 0;
+  for (int64_t p = 0; p < M->count; ++p) {
+    const Part *part = &M->parts[p];
+    if (part->rows < 1 || first + part->rows > out) return -1;
+    int status = part->form >= FORM_GGML
+        ? qmatvec(part->weight, (int)(part->form - FORM_GGML), x, y + first, part->rows, in, out,
+                  m, threads)
+        : matvec_ld(part->weight, part->scale, (int)part->form, x, y + first, part->rows, in,
+                    out, m, threads);
+    if (status) return status;
+    first += part->rows;
+  }
+  if (first != out) return -1;
+  if (!M->bias) return 0;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t o = 0; o < out; ++o) y[r * out + o] += M->bias[o];
   return 0;
+}
+
+/* y [m, out] = M x [m, in]: a stacked matrix's product alone (a linear layer, the head). */
+int matrix_product(const Matrix *M, const float *x, float *y, int64_t out, int64_t in, int64_t m,
+                   int threads) {
+  if (m < 1 || out < 1 || in < 1) return -1;
+  return apply(M, x, y, out, in, m, threads);
 }
 
 typedef struct {

@@ -1,0 +1,147 @@
+"""The GGUF block kernels (rewind/kernels/c/quant.c) against the `gguf` package's dequantizer:
+every type they read, every kernel build this CPU runs, through the checked boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from rewind.kernels import boundary, native
+from rewind.kernels.boundary import KernelCallError, MatrixArgs
+
+ISAS = [isa for isa in native.ISAS if native.load_isa(isa) is not None]
+pytestmark = pytest.mark.skipif(not ISAS, reason="the C kernels do not build on this machine")
+
+# Byte offsets of each block's fp16 scales: random bytes elsewhere are valid quants, but a random
+# fp16 may be NaN or huge.
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+                "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+TYPES = list(native.GGML_TYPES)
+
+
+def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes] of random blocks of ggml type `name`, with small positive scales."""
+    values, nbytes = native.GGML_BLOCKS[native.GGML_TYPES[name]]
+    blocks = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for offset in _FP16_FIELDS[name]:
+        scales = rng.uniform(0.001, 0.02, size=(rows, cols // values)).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def dequantized(name: str, blocks: np.ndarray) -> np.ndarray:
+    return np.asarray(quants.dequantize(blocks, GGMLQuantizationType[name]), np.float64)
+
+
+def activations_as_quantized(x: np.ndarray, k_quant: bool) -> np.ndarray:
+    """The values the kernels multiply with: x quantized per block as ggml does (Q8_K for the
+    k-quants, Q8_0 otherwise, with a float scale), in float32 arithmetic like the C code."""
+    size = 256 if k_quant else 32
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, size)
+    if k_quant:
+        index = np.abs(blocks).argmax(axis=2)
+        signed_max = np.take_along_axis(blocks, index[..., None], axis=2)
+        with np.errstate(divide="ignore"):
+            iscale = np.where(signed_max != 0, np.float32(-127.0) / signed_max, 0).astype(np.float32)
+        q = np.minimum(np.rint(iscale * blocks), 127)
+        d = np.where(iscale != 0, np.float32(1.0) / np.where(iscale != 0, iscale, 1), 0)
+    else:
+        d = (np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float32)
+        inverse = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, 1), 0).astype(np.float32)
+        q = np.rint(blocks * inverse)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def product(isa: str, matrix: MatrixArgs, x: np.ndarray) -> np.ndarray:
+    out = np.zeros((x.shape[0], matrix.rows), np.float32)
+    boundary.kernels_for(isa).matvec(matrix, x, out, 2)
+    return out
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_each_type_matches_the_gguf_dequantizer(name: str) -> None:
+    """y = W x with W read from its blocks equals the dequantized W times the quantized x, for
+    one row (a decode step) and for several (a prefill chunk), on every build."""
+    rng = np.random.default_rng(7)
+    k_quant = native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256
+    rows, cols = 67, 512 if k_quant else 96  # rows: not a multiple of any claim
+    blocks = random_blocks(name, rows, cols, rng)
+    matrix = MatrixArgs.build(blocks, native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
+    weight = dequantized(name, blocks)
+    for m in (1, 5):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        expected = activations_as_quantized(x, k_quant) @ weight.T
+        bound = np.abs(activations_as_quantized(x, k_quant)) @ np.abs(weight).T
+        for isa in ISAS:
+            got = product(isa, matrix, x)
+            assert np.all(np.abs(got - expected) <= 2e-6 * bound + 1e-7), (name, isa, m)
+        # And the quantized activations stay close to the float product (a sanity bound).
+        assert np.abs(got - x.astype(np.float64) @ weight.T).max() < 0.02 * bound.max()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_builds_give_identical_results(name: str) -> None:
+    """The int8 products are exact integers in every build (vpmaddubsw or vpdpbusd), so the
+    builds agree to the bit."""
+    rng = np.random.default_rng(11)
+    cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 64
+    blocks = random_blocks(name, 40, cols, rng)
+    matrix = MatrixArgs.build(blocks, native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    results = [product(isa, matrix, x) for isa in ISAS]
+    for other in results[1:]:
+        np.testing.assert_array_equal(results[0], other)
+
+
+def test_stacked_parts_of_different_forms_with_a_bias() -> None:
+    """q/k in Q5_0 over v in Q8_0 over bf16 rows, as one matrix with a bias."""
+    rng = np.random.default_rng(3)
+    cols = 64
+    q5 = random_blocks("Q5_0", 10, cols, rng)
+    q8 = random_blocks("Q8_0", 6, cols, rng)
+    floats = rng.standard_normal((4, cols)).astype(np.float32)
+    bf16 = (floats.view(np.uint32) >> 16).astype(np.uint16)
+    bias = rng.standard_normal(20).astype(np.float32)
+    matrix = MatrixArgs.stack([(q5, native.FORM_GGML + 6, None), (q8, native.FORM_GGML + 8, None),
+                               (bf16, native.FORM_BF16, None)], cols, bias)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    xq = activations_as_quantized(x, False)
+    widened = (bf16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    expected = np.concatenate([xq @ dequantized("Q5_0", q5).T, xq @ dequantized("Q8_0", q8).T,
+                               x.astype(np.float64) @ widened.T], axis=1) + bias
+    for isa in ISAS:
+        np.testing.assert_allclose(product(isa, matrix, x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantized_rows_match_the_gguf_package(name: str) -> None:
+    rng = np.random.default_rng(5)
+    cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 64
+    blocks = random_blocks(name, 9, cols, rng)
+    ids = np.array([8, 0, 3, 3], np.int64)
+    out = np.empty((4, cols), np.float32)
+    boundary.kernels().dequantize_rows(blocks, native.FORM_GGML + native.GGML_TYPES[name], cols,
+                                       ids, out)
+    np.testing.assert_allclose(out, dequantized(name, blocks)[ids], rtol=1e-6, atol=1e-9)
+
+
+def test_bad_calls_raise_before_reading() -> None:
+    kernels = boundary.kernels()
+    blocks = random_blocks("Q4_K", 4, 256, np.random.default_rng(0))
+    with pytest.raises(KernelCallError, match="whole blocks"):
+        MatrixArgs.build(blocks, native.FORM_GGML + 12, cols=200)
+    with pytest.raises(KernelCallError, match="shape"):  # bytes of 256 values, said to be 512
+        MatrixArgs.build(blocks, native.FORM_GGML + 12, cols=512)
+    with pytest.raises(KernelCallError, match="not one the kernels read"):
+        MatrixArgs.build(blocks, native.FORM_GGML + 10, cols=256)  # Q2_K
+    with pytest.raises(KernelCallError, match="columns given"):
+        MatrixArgs.build(blocks, native.FORM_GGML + 12)
+    matrix = MatrixArgs.build(blocks, native.FORM_GGML + 12, cols=256)
+    with pytest.raises(KernelCallError):
+        kernels.matvec(matrix, np.ones((1, 255), np.float32), np.zeros((1, 4), np.float32), 2)
+    out = np.empty((1, 256), np.float32)
+    with pytest.raises(KernelCallError, match="outside"):
+        kernels.dequantize_rows(blocks, native.FORM_GGML + 12, 256, np.array([4]), out)
+    with pytest.raises(KernelCallError, match="dtype"):
+        kernels.dequantize_rows(blocks, native.FORM_GGML + 12, 256, np.array([1], np.int32), out)
