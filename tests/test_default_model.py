@@ -55,8 +55,47 @@ def test_eiffel_tower_is_in_paris(default_model):
     assert greedy_continuation(default_model, "The Eiffel Tower is located in the city of", 2).startswith(" Paris")
 
 
-def test_cpu_kernels_give_the_mlx_answer(default_model):
-    """The default (bf16 checkpoint) runs its prefill and decode through the bf16 CPU kernels;
+def test_on_the_cpu_the_default_runs_from_its_gguf_blocks(default_model):
+    """`default` computes with its Q4_K_M file's blocks read in place: the weights llama.cpp
+    runs, ~250 MB where the bf16 folder holds 536 MB, and none of the folder's arrays read."""
+    import mlx.core as mx
+
+    from rewind.kernels.native_forward import native_forward
+    from rewind.models.loader import describe_compute
+    from rewind.models.memory_estimate import loaded_bytes
+
+    if not mx.default_device() == mx.cpu:
+        pytest.skip("the C kernels are for the CPU backend")
+    forward = native_forward(default_model.model)
+    assert forward is not None and forward.form == "gguf"
+    assert "Q4_K x27" in describe_compute(default_model.model)
+    assert default_model.fingerprint.endswith("|gguf")  # its cache records are its own
+    assert 200e6 < loaded_bytes(default_model.model) < 300e6
+
+
+def test_in_place_and_bf16_weights_agree(default_model):
+    """The GGUF's blocks with int8 activations (as llama.cpp computes) against the bf16 rounding
+    of the same weights in float32: the same greedy tokens on a factual prompt, and a
+    perplexity within 3% (measured: see benchmarks/results/gguf-in-place.md)."""
+    import mlx.core as mx
+
+    from rewind.engine.single import generate_tokens
+    from rewind.models.loader import load_model
+    from rewind.models.quality import perplexity
+
+    if not mx.default_device() == mx.cpu:
+        pytest.skip("the C kernels are for the CPU backend")
+    bf16 = load_model("default", in_place=False)
+    prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of")
+    tokens = [t for t, _ in generate_tokens(default_model.model, prompt, max_tokens=6)]
+    assert tokens == [t for t, _ in generate_tokens(bf16.model, prompt, max_tokens=6)]
+    text = PARAGRAPH.read_text()
+    in_place, exact = (perplexity(m.model, m.tokenizer, text) for m in (default_model, bf16))
+    assert abs(in_place / exact - 1) < 0.03, (in_place, exact)
+
+
+def test_cpu_kernels_give_the_mlx_answer():
+    """The default's bf16 folder runs its prefill and decode through the bf16 CPU kernels;
     its greedy tokens and log-probabilities are those of MLX's float32 layers."""
     import mlx.core as mx
     import numpy as np
@@ -67,6 +106,7 @@ def test_cpu_kernels_give_the_mlx_answer(default_model):
 
     if not mx.default_device() == mx.cpu:
         pytest.skip("the C kernels are for the CPU backend")
+    default_model = load_model("default", in_place=False)
     forward = native_forward(default_model.model)
     assert forward is not None and forward.form == "bf16"
     prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of " * 40)

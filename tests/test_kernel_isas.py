@@ -1,7 +1,8 @@
-"""Both builds of the C kernels (simd.h's AVX2 and AVX-512 paths) give the same outputs within
-float tolerance (they differ only in summation order), kernel by kernel and for a whole model's
-forward pass. Runs where the CPU has AVX-512; on an AVX2-only CPU the main suite is the AVX2
-build, and scripts/test.sh runs the kernel tests again as AVX2 on an AVX-512 CPU."""
+"""Every build of the C kernels this CPU runs (simd.h's AVX2 and AVX-512 paths, and AVX-512 with
+VNNI for the GGUF block products) gives the AVX2 build's outputs within float tolerance (they
+differ only in summation order), kernel by kernel and for a whole model's forward pass. Runs
+where the CPU has AVX-512; on an AVX2-only CPU the main suite is the AVX2 build, and
+scripts/test.sh runs the kernel tests again as AVX2 on an AVX-512 CPU."""
 
 from __future__ import annotations
 
@@ -24,18 +25,24 @@ pytestmark = pytest.mark.skipif(
 RTOL, ATOL = 2e-5, 2e-5
 
 
+WIDE_ISAS = [isa for isa in native.runnable_isas() if isa != "avx2"]
+
+
 @pytest.fixture(scope="module")
-def builds() -> tuple[Kernels, Kernels]:
-    avx2, avx512 = boundary.kernels_for("avx2"), boundary.kernels_for("avx512")
-    assert avx2 is not None and avx512 is not None
-    assert (avx2.vector_width, avx512.vector_width) == (8, 16)
-    return avx2, avx512
+def builds() -> tuple[Kernels, ...]:
+    """The AVX2 build first, then every wider one this CPU runs."""
+    loaded = [boundary.kernels_for(isa) for isa in ("avx2", *WIDE_ISAS)]
+    assert all(kernels is not None for kernels in loaded)
+    assert [k.vector_width for k in loaded] == [8] + [16] * len(WIDE_ISAS)
+    return tuple(loaded)
 
 
 def _same(results: list[np.ndarray]) -> None:
-    reference = results[1]
+    """Each wider build's result against the AVX2 build's (the first)."""
+    reference = results[0]
     scale = max(1.0, float(np.abs(reference).max()))
-    np.testing.assert_allclose(results[0], reference, rtol=RTOL, atol=ATOL * scale)
+    for other in results[1:]:
+        np.testing.assert_allclose(other, reference, rtol=RTOL, atol=ATOL * scale)
 
 
 @pytest.mark.parametrize("form", [native.FORM_F32, native.FORM_BF16, native.FORM_INT8])
@@ -174,12 +181,12 @@ def test_a_model_forward_gives_the_same_logits_on_both_builds(tiny_model_path,
     picks AVX2), as a server on each CPU would run it."""
     path = str(tiny_model_path(family))
     runs = {}
-    for no_avx512 in ("1", "0"):
+    for isa in ("avx2", *WIDE_ISAS):
         result = subprocess.run([sys.executable, "-c", _FORWARD, path], capture_output=True,
                                 text=True, timeout=300,
-                                env={**os.environ, "REWIND_NO_AVX512": no_avx512})
+                                env={**os.environ, "REWIND_KERNEL_ISA": isa})
         assert result.returncode == 0, result.stderr[-2000:]
         run = json.loads(result.stdout.strip().splitlines()[-1])
         runs[run["isa"]] = np.array(run["logits"], np.float32)
-    assert set(runs) == {"avx2", "avx512"}
-    _same([runs["avx2"], runs["avx512"]])
+    assert list(runs) == ["avx2", *WIDE_ISAS]
+    _same(list(runs.values()))

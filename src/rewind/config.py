@@ -184,7 +184,7 @@ class ServerConfig:
     allow_image_urls: bool = False
     # Output tokens of a request that names no limit, and the most any request gets.
     max_tokens: int = 4096
-    cpu_weights: str = "exact"  # rewind.models.loader.CPU_WEIGHTS
+    cpu_weights: str = "auto"  # rewind.models.loader.CPU_WEIGHTS
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -77,6 +77,8 @@ GATED_DELTA = Var("REWIND_GATED_DELTA",
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
+KERNEL_ISA = Var("REWIND_KERNEL_ISA", "the C kernels' build: avx2, avx512 or avx512vnni (default: "
+                 "the widest this CPU runs)", ("avx2", "avx512", "avx512vnni"))
 # scripts/sanitize.sh sets it with the sanitizer's runtime preloaded (a sanitized library does not
 # load without it).
 SANITIZE = Var("REWIND_SANITIZE", "build the C kernels with sanitizers: address (ASan + UBSan) "
@@ -146,6 +148,10 @@ def fast_gelu() -> bool:
 
 def no_avx512() -> bool:
     return NO_AVX512.get() == "1"
+
+
+def kernel_isa() -> str | None:
+    return KERNEL_ISA.get()
 
 
 def sanitize() -> str | None:

@@ -38,10 +38,12 @@ def add_model_arg(parser: argparse.ArgumentParser, default: str | None = DEFAULT
 
 
 def add_cpu_weights_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpu-weights", choices=("exact", "int8"), default="exact",
-                        help="on the CPU, compute with the stored weights (exact) or int8 copies "
-                             "(half the bytes a token: faster decode, perplexity +1.3%% on the "
-                             "default model)")
+    parser.add_argument("--cpu-weights", choices=("auto", "gguf", "exact", "int8"),
+                        default="auto",
+                        help="on the CPU, compute with the GGUF file the model came from, its "
+                             "blocks read in place (gguf: the weights llama.cpp runs), the model "
+                             "folder's weights (exact: bf16 for the default model), or int8 "
+                             "copies of them; auto: gguf where there is one, else exact")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +91,7 @@ def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
 # Model and cache
 
 
-def load_or_explain(name_or_path: str, cpu_weights: str = "exact") -> Any:
+def load_or_explain(name_or_path: str, cpu_weights: str = "auto") -> Any:
     """rewind.models.loader.load_model, with a missing or broken model turned into a UserError."""
     from rewind.models.loader import cpu_weight_options, load_model
 

@@ -23,9 +23,10 @@ from rewind.kernels.backend import ObjectTable
 from rewind.kernels.boundary import Kernels, MatrixArgs, kernels
 from rewind.kernels.native import FORMS, int8_rows, kernel_threads
 from rewind.kernels.native_forward import host_view
+from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
 
-HeadForm = Literal["bf16", "int8"]
-HEAD_FORMS: tuple[str, ...] = ("bf16", "int8")
+HeadForm = Literal["bf16", "int8", "gguf"]
+HEAD_FORMS: tuple[str, ...] = ("bf16", "int8", "gguf")
 
 
 def build_kernel() -> Kernels | None:
@@ -62,6 +63,19 @@ class CpuHead:
         else:
             raise ValueError(f"unknown head form {form!r}; expected one of {HEAD_FORMS}")
         self._matrix = MatrixArgs.build(self._weight, FORMS[form], self._row_scale)
+
+    @classmethod
+    def from_stored(cls, table: StoredMatrix, kernel: Kernels, shared: bool,
+                    threads: int | None = None) -> "CpuHead":
+        """The head over a stored table (a GGUF's output or tied embedding), read in place;
+        `shared`: the table is the embedding the native forward already counts."""
+        head = cls.__new__(cls)
+        head.form, head.vocab, head.dim = "gguf", table.rows, table.cols
+        head.threads = threads or kernel_threads()
+        head._kernel, head._row_scale, head.in_place = kernel, None, shared
+        head._weight = table.data
+        head._matrix = MatrixArgs.build(table.data, kernel_form(table.ggml_type), cols=table.cols)
+        return head
 
     @property
     def own_bytes(self) -> int:
@@ -127,7 +141,8 @@ def _bf16_rows(weight: mx.array) -> np.ndarray:
     return out
 
 
-def install_fast_head(model: Any, form: str = "auto") -> CpuHead | None:
+def install_fast_head(model: Any, form: str = "auto",
+                      stored: StoredWeights | None = None) -> CpuHead | None:
     """Give `model` a CpuHead used by rewind.engine.forward.last_logits; None when the kernel or a
     float head is not available (the model then keeps its MLX head).
 
@@ -136,6 +151,14 @@ def install_fast_head(model: Any, form: str = "auto") -> CpuHead | None:
     "int8" install that form whatever the weights.
     """
     kernel = build_kernel()
+    if stored is not None:
+        if kernel is None:
+            return None
+        own = stored.matrices.get("lm_head")
+        table = own or stored.matrices["model.embed_tokens"]
+        head = CpuHead.from_stored(table, kernel, shared=own is None)
+        _HEADS.set(model, head)
+        return head
     weight = head_weight(model) if kernel is not None else None
     if kernel is None or weight is None:
         return None

@@ -140,11 +140,18 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def chosen_isa() -> str | None:
-    """The build the kernels use here: the widest this CPU runs (AVX-512 with VNNI, AVX-512,
-    AVX2), AVX2 where REWIND_NO_AVX512 is 1; None where none runs."""
+    """The build the kernels use here: REWIND_KERNEL_ISA's, else the widest this CPU runs
+    (AVX-512 with VNNI, AVX-512, AVX2), AVX2 where REWIND_NO_AVX512 is 1; None where none
+    runs."""
     isas = runnable_isas()
     if not isas:
         return None
+    asked = env.kernel_isa()
+    if asked is not None:
+        if asked not in isas:
+            raise env.EnvError(f"REWIND_KERNEL_ISA={asked}: this CPU runs only "
+                               f"{', '.join(isas)}")
+        return asked
     return "avx2" if env.no_avx512() else isas[-1]
 
 

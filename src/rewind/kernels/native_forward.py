@@ -46,11 +46,13 @@ from rewind.kernels import native
 from rewind.kernels.backend import ObjectTable
 from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
 from rewind.kernels.cpu_attention import attention_into
+from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FORM = "auto"
-WEIGHT_FORMS = ("auto", "bf16", "f32", "int8", "off")
+# "gguf": a GGUF's weights as stored (rewind.kernels.stored), blocks read by quant.c in place.
+WEIGHT_FORMS = ("auto", "bf16", "f32", "int8", "gguf", "off")
 KV_DTYPE = mx.float32  # what the caches hold: the float32 path's keys and values
 
 
@@ -144,7 +146,88 @@ class _Matrix:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.weight, self.scale, self.bias) if a is not None)
+        return self.args.nbytes
+
+
+class _StoredMatrix(_Matrix):
+    """Stored weights stacked along their outputs, each read in place as its own part (no copy:
+    a layer's q, k and v may each be stored in another type)."""
+
+    def __init__(self, parts: list[StoredMatrix], biases: list[np.ndarray | None]) -> None:
+        self.scale = None
+        self.rows, self.cols = sum(part.rows for part in parts), parts[0].cols
+        if any(part.cols != self.cols for part in parts):
+            raise Unsupported("stacked weights of different widths")
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = np.ascontiguousarray(np.concatenate(
+                [b if b is not None else np.zeros(part.rows, np.float32)
+                 for part, b in zip(parts, biases)]), dtype=np.float32)
+        try:
+            self.args = MatrixArgs.stack([(part.data, kernel_form(part.ggml_type), None)
+                                          for part in parts], self.cols, self.bias)
+        except (KeyError, ValueError) as exc:
+            raise Unsupported(f"stored weights: {exc}") from exc
+        self.weight = parts[0].data
+
+
+class InPlaceEmbedding(nn.Module):
+    """The embedding module of a model read in place: rows of the stored table as float32
+    (blocks dequantized by the kernels) and, as `as_linear`, the tied head's product over the
+    same blocks. It replaces mlx-lm's `nn.Embedding`, so every caller of the model (the engine,
+    perplexity, mlx-lm's generate) reads the file's table, and the model's own lazy table is
+    never read."""
+
+    def __init__(self, table: StoredMatrix, kernels: Kernels) -> None:
+        super().__init__()
+        # Outside the parameter tree (leading underscores): nothing here is an MLX parameter.
+        self._table, self._kernels = table, kernels
+        self._form = kernel_form(table.ggml_type)
+        self._matrix = MatrixArgs.build(table.data, self._form, cols=table.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        ids = np.ascontiguousarray(np.array(inputs, dtype=np.int64).reshape(-1))
+        table = self._table
+        if self._form >= native.FORM_GGML:
+            rows = np.empty((ids.shape[0], table.cols), np.float32)
+            self._kernels.dequantize_rows(table.data, self._form, table.cols, ids, rows)
+        elif self._form == native.FORM_BF16:
+            rows = (table.data[ids].astype(np.uint32) << 16).view(np.float32)
+        else:
+            rows = table.data[ids]
+        return mx.array(rows).reshape(*inputs.shape, table.cols)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _product(self._kernels, self._matrix, x)
+
+
+class InPlaceLinear(nn.Module):
+    """y = x @ W^T with W a stored matrix read in place (a GGUF's untied output head)."""
+
+    def __init__(self, matrix: StoredMatrix, kernels: Kernels) -> None:
+        super().__init__()
+        self._stored, self._kernels = matrix, kernels
+        self._matrix = MatrixArgs.build(matrix.data, kernel_form(matrix.ggml_type),
+                                        cols=matrix.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self._stored.nbytes
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _product(self._kernels, self._matrix, x)
+
+
+def _product(kernels: Kernels, matrix: MatrixArgs, x: mx.array) -> mx.array:
+    lead = x.shape[:-1]
+    rows = np.ascontiguousarray(np.array(x.reshape(-1, matrix.cols).astype(mx.float32)))
+    out = np.empty((rows.shape[0], matrix.rows), np.float32)
+    kernels.matvec(matrix, rows, out, native.kernel_threads())
+    return mx.array(out).reshape(*lead, matrix.rows)
 
 
 def _vector(weight: mx.array | None, plus_one: bool) -> np.ndarray | None:
@@ -173,7 +256,8 @@ def _rope_frequencies(rope: Any) -> tuple[np.ndarray, float]:
 
 
 class _NativeLayer:
-    def __init__(self, block: Any, family: _Family, form: str, threads: int) -> None:
+    def __init__(self, block: Any, family: _Family, form: str, threads: int,
+                 stored: StoredWeights | None = None, index: int = 0) -> None:
         attn, mlp = block.self_attn, block.mlp
         rope = attn.rope
         self.inv_freq, rope_scale = _rope_frequencies(rope)
@@ -197,27 +281,62 @@ class _NativeLayer:
             self.sliding = bool(getattr(block, "use_sliding", False))
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
-        self.qkv = _Matrix([linears[n] for n in ("q_proj", "k_proj", "v_proj")], form)
-        self.o = _Matrix([linears["o_proj"]], form)
-        self.gate_up = _Matrix([linears["gate_proj"], linears["up_proj"]], form)
-        self.down = _Matrix([linears["down_proj"]], form)
-        self.vectors = {
-            "input_norm": _vector(block.input_layernorm.weight, plus_one),
-            "q_norm": _vector(None if q_norm is None else q_norm.weight, plus_one),
-            "k_norm": _vector(None if k_norm is None else k_norm.weight, plus_one),
-            "post_attn_norm": _vector(None if post_attn is None else post_attn.weight, plus_one),
-            "pre_ff_norm": _vector(pre_ff.weight, plus_one),
-            "post_ff_norm": _vector(None if post_ff is None else post_ff.weight, plus_one),
-        }
+        if stored is None:
+            self.qkv = _Matrix([linears[n] for n in ("q_proj", "k_proj", "v_proj")], form)
+            self.o = _Matrix([linears["o_proj"]], form)
+            self.gate_up = _Matrix([linears["gate_proj"], linears["up_proj"]], form)
+            self.down = _Matrix([linears["down_proj"]], form)
+            self.vectors = {
+                "input_norm": _vector(block.input_layernorm.weight, plus_one),
+                "q_norm": _vector(None if q_norm is None else q_norm.weight, plus_one),
+                "k_norm": _vector(None if k_norm is None else k_norm.weight, plus_one),
+                "post_attn_norm": _vector(None if post_attn is None else post_attn.weight,
+                                          plus_one),
+                "pre_ff_norm": _vector(pre_ff.weight, plus_one),
+                "post_ff_norm": _vector(None if post_ff is None else post_ff.weight, plus_one),
+            }
+        else:
+            self._from_stored(stored, f"model.layers.{index}.", family)
+        dims = int(rope.dims)
+        traditional = bool(rope.traditional)
+        if stored is not None and stored.interleaved_rope:
+            traditional = not traditional  # q/k rows in GGML's layout: the same attention
         dims = int(rope.dims)
         activation = native.ACT_GELU_TANH if family.gemma else native.ACT_SILU
         shape = native.Shape(self.hidden, self.heads, self.kv_heads, self.head_dim,
                              self.intermediate, dims, activation, threads, eps,
-                             rope_scale, int(bool(rope.traditional)))
+                             rope_scale, int(traditional))
         matrices = {"qkv": self.qkv.args, "o": self.o.args, "gate_up": self.gate_up.args,
                     "down": self.down.args}
         self.args = LayerArgs.build(shape, self.vectors, matrices, self.inv_freq)
         self.width = self.args.width
+
+    def _from_stored(self, stored: StoredWeights, prefix: str, family: _Family) -> None:
+        if stored.norms_plus_one != family.gemma:
+            raise Unsupported("stored norm weights in another convention than the family's")
+
+        def matrix(*names: str) -> _StoredMatrix:
+            try:
+                parts = [stored.matrices[prefix + name] for name in names]
+            except KeyError as exc:
+                raise Unsupported(f"stored weights have no {exc}") from exc
+            return _StoredMatrix(parts, [stored.vectors.get(f"{prefix}{name}.bias")
+                                         for name in names])
+
+        self.qkv = matrix("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.o = matrix("self_attn.o_proj")
+        self.gate_up = matrix("mlp.gate_proj", "mlp.up_proj")
+        self.down = matrix("mlp.down_proj")
+        if family.gemma:
+            names = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                     "pre_ff_norm": "pre_feedforward_layernorm",
+                     "post_ff_norm": "post_feedforward_layernorm"}
+        else:
+            names = {"input_norm": "input_layernorm", "pre_ff_norm": "post_attention_layernorm"}
+        names.update({"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"})
+        self.vectors = {key: stored.vectors.get(prefix + name) for key, name in names.items()}
+        self.vectors.setdefault("post_attn_norm", None)
+        self.vectors.setdefault("post_ff_norm", None)
 
     @property
     def nbytes(self) -> int:
@@ -267,29 +386,46 @@ class NativeForward:
     (final norm applied), float32, with `cache` advanced exactly as the MLX path would."""
 
     def __init__(self, backbone: Any, form: str, kernels: Kernels,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, stored: StoredWeights | None = None) -> None:
         family = _family(backbone)
         self.form = form
         self._kernels = kernels
-        # The embedding module, not the backbone: the backend's table maps the backbone to this
-        # object, and a reference back would keep every unloaded model alive.
-        self._embed = backbone.embed_tokens
         threads = threads or native.kernel_threads()
-        self.layers = [_NativeLayer(block, family, form, threads) for block in backbone.layers]
+        self.layers = [_NativeLayer(block, family, form, threads, stored, index)
+                       for index, block in enumerate(backbone.layers)]
         self.hidden_size = self.layers[0].hidden
-        self.norm = _vector(backbone.norm.weight, family.gemma)
+        self.stored_bytes = 0  # bytes of the stored weights read in place beside the layers'
+        self.stored_types = "" if stored is None else ", ".join(
+            f"{name} x{count}" for name, count in stored.types().items())
+        if stored is None:
+            # The embedding module, not the backbone: the backend's table maps the backbone to
+            # this object, and a reference back would keep every unloaded model alive.
+            self._embed: Any = backbone.embed_tokens
+            self.norm = _vector(backbone.norm.weight, family.gemma)
+        else:
+            norm = stored.vectors.get("model.norm")
+            if not isinstance(backbone.embed_tokens, InPlaceEmbedding) or norm is None:
+                raise Unsupported("stored weights without their embedding module or final norm")
+            self._embed = backbone.embed_tokens
+            self.norm = norm
+            self.stored_bytes = backbone.embed_tokens.nbytes
         self.eps = float(backbone.norm.eps)
         self.embed_scale: mx.array | None = None
         if family.gemma:
-            self.embed_scale = mx.array(backbone.args.hidden_size ** 0.5, mx.bfloat16)
+            # mlx-lm (as Hugging Face) scales by sqrt(hidden) rounded to bf16; llama.cpp, whose
+            # weights the stored form runs, by the float32 value.
+            scale = backbone.args.hidden_size ** 0.5
+            self.embed_scale = (mx.array(scale, mx.float32) if stored is not None
+                                else mx.array(scale, mx.bfloat16))
             self.window = backbone.window_size
         else:
             self.window = getattr(backbone, "sliding_window", None)
         self._scratch: tuple[np.ndarray, ...] = ()
+        self.swapped: list[tuple[Any, str, Any]] = []  # modules replaced by in-place ones
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.layers) + self.stored_bytes
 
     def layer_costs(self, context: int) -> list[float]:
         """Each layer's work for one token at `context` tokens held, in units of a layer's mean
@@ -491,14 +627,18 @@ def requested_form(form: str | None = None) -> str:
     return form
 
 
-def install_native_forward(model: Any, form: str | None = None) -> NativeForward | None:
+def install_native_forward(model: Any, form: str | None = None,
+                           stored: StoredWeights | None = None) -> NativeForward | None:
     """Route `model`'s backbone through the C kernels; None when the kernels or the family are
-    not available (MLX's path then runs, with the same answers)."""
+    not available (MLX's path then runs, with the same answers). Form "gguf" reads `stored`,
+    the weights of the file the model came from, in place."""
     from rewind.engine.forward import split_model
 
     form = requested_form(form)
     if form == "off":
         return None
+    if (form == "gguf") != (stored is not None):
+        raise ValueError("the gguf form reads stored weights, and only it does")
     from rewind.kernels import boundary
 
     kernels = boundary.kernels()
@@ -507,15 +647,53 @@ def install_native_forward(model: Any, form: str | None = None) -> NativeForward
         return None
     remove_native_forward(model)  # installing again replaces, never nests
     backbone = split.backbone
+    swapped: list[tuple[Any, str, Any]] = []
     try:
         _family(backbone)  # before looking at layers: other families have other modules
-        forward = NativeForward(backbone, choose_form(backbone, form), kernels)
+        if stored is not None:
+            swapped = _swap_in_place_modules(model, backbone, stored, kernels)
+        forward = NativeForward(backbone, choose_form(backbone, form), kernels, stored=stored)
     except Unsupported as exc:
+        _swap_back(model, swapped)
         log.info("native forward not used: %s", exc)
         return None
+    forward.swapped = swapped
     _FORWARDS.set(backbone, forward)
     backbone.__class__ = _native_class(type(backbone))
     return forward
+
+
+def _swap_in_place_modules(model: Any, backbone: Any, stored: StoredWeights,
+                           kernels: Kernels) -> list[tuple[Any, str, Any]]:
+    """Give the model in-place modules for its embedding (and tied head) and, where the file has
+    one, its output head; returns (owner, name, original) to swap back."""
+    from rewind.engine.forward import forget_split
+
+    table = stored.matrices.get("model.embed_tokens")
+    if table is None:
+        raise Unsupported("stored weights have no embedding table")
+    try:
+        swapped = [(backbone, "embed_tokens", backbone.embed_tokens)]
+        backbone.embed_tokens = InPlaceEmbedding(table, kernels)
+        head = stored.matrices.get("lm_head")
+        owner = getattr(model, "language_model", model)
+        if head is not None and "lm_head" in owner:
+            swapped.append((owner, "lm_head", owner.lm_head))
+            owner.lm_head = InPlaceLinear(head, kernels)
+    except ValueError as exc:  # a table the kernels cannot read
+        _swap_back(model, swapped)
+        raise Unsupported(f"stored embedding or head: {exc}") from exc
+    forget_split(model)  # the head is looked up again: the in-place one
+    return swapped
+
+
+def _swap_back(model: Any, swapped: list[tuple[Any, str, Any]]) -> None:
+    from rewind.engine.forward import forget_split
+
+    for owner, name, original in reversed(swapped):
+        setattr(owner, name, original)
+    if swapped:
+        forget_split(model)
 
 
 def native_forward(model: Any) -> NativeForward | None:
@@ -531,7 +709,9 @@ def remove_native_forward(model: Any) -> bool:
 
     split = split_model(model)
     backbone = None if split is None else split.backbone
-    if backbone is None or _FORWARDS.pop(backbone) is None:
+    forward = None if backbone is None else _FORWARDS.pop(backbone)
+    if forward is None:
         return False
     backbone.__class__ = type(backbone)._rewind_mlx_class
+    _swap_back(model, forward.swapped)
     return True

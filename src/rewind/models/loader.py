@@ -90,8 +90,9 @@ def _cast_floats(model: Any, dtype: Any) -> None:
     mx.eval(model.parameters())
 
 
-def materialize_constants(model: Any) -> None:
-    """Evaluate every array the model's modules hold, not only its parameters.
+def materialize_constants(model: Any, parameters: bool = True) -> None:
+    """Evaluate every array the model's modules hold, not only its parameters (`parameters`
+    False: only the others, for a model whose weights are read in place and stay unread).
 
     Some layers keep constants outside `parameters()` (mlx-lm's Llama 3, YaRN, SuScaled and
     proportional ropes keep a lazy `_freqs`). Left lazy, they are computed at the first forward
@@ -99,8 +100,8 @@ def materialize_constants(model: Any) -> None:
     ("There is no Stream(cpu, 0) in current thread")."""
     import mlx.core as mx
 
-    constants = [value for module in model.modules() for value in module.values()
-                 if isinstance(value, mx.array)]
+    constants = [value for module in model.modules() for key, value in module.items()
+                 if isinstance(value, mx.array) and (parameters or key.startswith("_"))]
     if constants:
         mx.eval(constants)
 
@@ -141,7 +142,7 @@ def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
 
 
 def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None,
-                        native_forward: str | None = None) -> Any:
+                        native_forward: str | None = None, stored: Any = None) -> Any:
     """Set up the model's compute for this backend, in place.
 
     CPU: the backbone runs through Rewind's C kernels where the family allows
@@ -160,7 +161,15 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
         return model
-    if target != mx.float32:
+    if stored is not None:
+        from rewind.kernels.fast_head import install_fast_head
+        from rewind.kernels.native_forward import install_native_forward
+
+        if install_native_forward(model, "gguf", stored) is not None:
+            install_fast_head(model, "gguf", stored)
+            return model
+        use_mlx_layers(model, native_forward)  # a family the kernels do not run: MLX's layers
+    elif target != mx.float32:
         _cast_floats(model, target)
     else:
         from rewind.kernels.native_forward import install_native_forward
@@ -175,20 +184,58 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     return model
 
 
-# --cpu-weights: what the CPU reads for each token. "exact": the stored weights (bf16 read in
-# place; the checkpoint's answer). "int8": int8 layers and head with one scale per row, half the
-# bytes: decode ~1.4x faster, perplexity +1.3% on the default model (benchmarks/results/speed.md,
-# README "On a CPU"). Other backends ignore it.
-CPU_WEIGHTS = ("exact", "int8")
+# --cpu-weights: what the CPU reads for each token. "gguf": the GGUF file the model was converted
+# from, its blocks read in place (the weights llama.cpp runs; rewind.models.gguf_weights).
+# "exact": the model folder's weights (bf16 read in place; the checkpoint's answer). "int8": int8
+# layers and head with one scale per row. "auto": gguf where the model came from a GGUF file
+# that is still there and every tensor is of a type the kernels read, else exact. Other backends
+# ignore it (Metal and CUDA run MLX's formats).
+CPU_WEIGHTS = ("auto", "gguf", "exact", "int8")
 
 
-def cpu_weight_options(choice: str) -> dict[str, str | None]:
+def cpu_weight_options(choice: str) -> dict[str, Any]:
     """load_model keyword arguments for a --cpu-weights choice."""
     if choice not in CPU_WEIGHTS:
         raise ValueError(f"--cpu-weights {choice!r}: expected one of {', '.join(CPU_WEIGHTS)}")
     if choice == "int8":
-        return {"native_forward": "int8", "cpu_head": "int8"}
-    return {}
+        return {"native_forward": "int8", "cpu_head": "int8", "in_place": False}
+    return {"auto": {}, "gguf": {"in_place": True}, "exact": {"in_place": False}}[choice]
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file a converted model folder came from, where it is still there."""
+    from rewind.models.conversion import META_FILE
+
+    try:
+        source = json.loads((path / META_FILE).read_text()).get("source", "")
+    except (OSError, ValueError):
+        return None
+    candidate = Path(source) if isinstance(source, str) and source.endswith(".gguf") else None
+    return candidate if candidate is not None and candidate.is_file() else None
+
+
+def _stored_weights(path: Path, in_place: bool | None, explicit_forms: bool) -> Any:
+    """The GGUF weights to read in place for the folder at `path`, or None (see CPU_WEIGHTS)."""
+    import logging
+
+    from rewind.models.gguf_file import GgufError
+    from rewind.models.gguf_weights import stored_weights
+
+    if in_place is False or not is_cpu_backend() or (in_place is None and explicit_forms):
+        return None
+    source = gguf_source(path)
+    if source is None:
+        if in_place:
+            raise ValueError(f"--cpu-weights gguf: {path} was not converted from a GGUF file "
+                             f"that is still there (see {path / 'rewind.json'})")
+        return None
+    try:
+        return stored_weights(source)
+    except GgufError as exc:
+        if in_place:
+            raise ValueError(f"--cpu-weights gguf: {exc}") from exc
+        logging.getLogger(__name__).info("GGUF weights not read in place: %s", exc)
+        return None
 
 
 def describe_compute(model: Any) -> str:
@@ -202,6 +249,9 @@ def describe_compute(model: Any) -> str:
     head = fast_head(model)
     head_text = f"{head.form} head (C kernel)" if head is not None else "MLX head"
     forward = native_forward(model)
+    if forward is not None and forward.form == "gguf":
+        return (f"Compute: GGUF blocks read in place ({forward.stored_types}; C kernels, int8 "
+                f"dot products), {head_text}")
     if forward is not None:
         return f"Compute: {forward.form} layers (C kernels, float32 math), {head_text}"
     from rewind.kernels.native_linear import native_linear_bytes
@@ -213,10 +263,13 @@ def describe_compute(model: Any) -> str:
 
 
 def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
-               native_forward: str | None = None, tokenizer: Any = None) -> LoadedModel:
+               native_forward: str | None = None, tokenizer: Any = None,
+               in_place: bool | None = None) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
     prepare_for_backend; `dtype` overrides the per-backend compute dtype). `tokenizer`: one
-    already loaded from the same files (a server holding two forms of one model parses it once)."""
+    already loaded from the same files (a server holding two forms of one model parses it once).
+    `in_place`: read the GGUF the folder came from in place on the CPU (True), never (False),
+    or where there is one and no other form was asked for (None; CPU_WEIGHTS)."""
     from mlx_lm.utils import load_model as load_mlx_model
 
     from rewind.models.folder_quirks import model_classes, model_config_overrides
@@ -229,12 +282,22 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
     # What mlx-lm's `load` does, with Rewind's classes for folders mlx-lm has none for (Idefics
     # 3's llama) and its tokenizer loader (the same tokenizer, parsed once).
     classes = model_classes(config)
+    explicit_forms = any(v is not None for v in (dtype, cpu_head, native_forward,
+                                                 env.native_form(), env.cpu_head()))
+    stored = _stored_weights(path, in_place, explicit_forms)
+    # Read in place, the folder's own weights stay lazy: never read, they take no memory.
     model, loaded_config = load_mlx_model(
-        path, model_config=overrides, **({} if classes is None else {"get_model_classes": classes}))
+        path, lazy=stored is not None, model_config=overrides,
+        **({} if classes is None else {"get_model_classes": classes}))
     if tokenizer is None:
         tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
-    prepare_for_backend(model, dtype, cpu_head, native_forward)
-    materialize_constants(model)
+    prepare_for_backend(model, dtype, cpu_head, native_forward, stored)
+    from rewind.kernels.native_forward import native_forward as installed_forward
+
+    in_place_now = stored is not None and getattr(installed_forward(model), "form", "") == "gguf"
+    materialize_constants(model, parameters=not in_place_now)
     release_free_heap()  # parsing tokenizer.json left ~180 MB of free heap mapped
+    # Weights other than the folder's give other answers: their cache records must not mix.
+    form = "|gguf" if in_place_now else ("|int8" if "int8" in (native_forward, cpu_head) else "")
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
-                       config=config, fingerprint=model_fingerprint(path))
+                       config=config, fingerprint=model_fingerprint(path) + form)

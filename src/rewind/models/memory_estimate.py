@@ -188,6 +188,12 @@ def loaded_bytes(model: Any) -> int:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from rewind.kernels.native_forward import native_forward
+
+    forward = native_forward(model)
+    if forward is not None and forward.form == "gguf":
+        # Read in place from the GGUF: the model's own arrays stay lazy and are never read.
+        return int(forward.nbytes) + kernel_copy_bytes(model)
     seen: set[int] = set()
     total = 0
     arrays = [value for _, value in tree_flatten(model.parameters())]
@@ -209,6 +215,6 @@ def kernel_copy_bytes(model: Any) -> int:
 
     head, forward = fast_head(model), native_forward(model)
     held = int(head.own_bytes) if head is not None else 0
-    if forward is not None and forward.form != "bf16":
+    if forward is not None and forward.form not in ("bf16", "gguf"):
         held += int(forward.nbytes)
     return held

@@ -72,51 +72,7 @@ static inline int is_k_quant(int type) { return type >= GGML_Q4_K; }
 
 static inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
 
-/* ---- activations ------------------------------------------------------------------------- */
-
-/* Q8_0 (ggml quantize_row_q8_0 with a float scale; the sum serves Q8_1's min term). */
-static void quantize_q8(const float *x, ActQ8 *out, int64_t blocks) {
-  for (int64_t b = 0; b < blocks; ++b, x += QK) {
-    float amax = 0.f;
-    for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < QK; ++i) {
-      int v = (int)nearbyintf(x[i] * id);
-      out[b].qs[i] = (int8_t)v;
-      sum += v;
-    }
-    out[b].d = d;
-    out[b].sum = sum;
-  }
-}
-
-/* Q8_K (ggml quantize_row_q8_K_ref): the scale puts the value of largest magnitude at -127. */
-static void quantize_q8k(const float *x, ActQ8K *out, int64_t blocks) {
-  for (int64_t b = 0; b < blocks; ++b, x += QKK) {
-    float amax = 0.f, max = 0.f;
-    for (int i = 0; i < QKK; ++i)
-      if (fabsf(x[i]) > amax) { amax = fabsf(x[i]); max = x[i]; }
-    ActQ8K *o = out + b;
-    if (amax == 0.f) {
-      memset(o, 0, sizeof *o);
-      continue;
-    }
-    const float iscale = -127.f / max;
-    for (int i = 0; i < QKK; ++i) {
-      int v = (int)nearbyintf(iscale * x[i]);
-      o->qs[i] = (int8_t)(v > 127 ? 127 : v);
-    }
-    for (int s = 0; s < QKK / 16; ++s) {
-      int sum = 0;
-      for (int i = 0; i < 16; ++i) sum += o->qs[16 * s + i];
-      o->bsums[s] = (int16_t)sum;
-    }
-    o->d = 1.f / iscale;
-  }
-}
-
-/* ---- int8 dot products (256-bit) --------------------------------------------------------- */
+/* ---- int8 helpers (256-bit) ------------------------------------------------------------- */
 
 /* acc + (sums of four u8 x s8 products) per int32 lane. */
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -125,11 +81,6 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
-}
-
-/* Sums of four s8 x s8 products per int32 lane: |a| times b with a's sign. */
-static inline __m256i dot_s8s8(__m256i a, __m256i b) {
-  return dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
 
 /* 32 nibbles as bytes: the low nibbles (values 0..15) then the high ones (16..31). */
@@ -158,67 +109,138 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+static inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-#define ACC(acc, scale, ints) acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(ints), acc)
-
-/* One weight row of `blocks` 32-value blocks against one row of ActQ8. */
-static float dot_q8_0(const void *w, const ActQ8 *a, int64_t blocks) {
-  const BlockQ8_0 *b = (const BlockQ8_0 *)w;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < blocks; ++i)
-    ACC(acc, fp16(b[i].d) * a[i].d, dot_s8s8(load32(b[i].qs), load32(a[i].qs)));
-  return hsum8(acc);
+/* 32 floats as int8 (saturating) in order: packs interleave 128-bit lanes, the permute undoes it. */
+static inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-static float dot_q4_0(const void *w, const ActQ8 *a, int64_t blocks) {
-  const BlockQ4_0 *b = (const BlockQ4_0 *)w;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < blocks; ++i) {
-    __m256i q = _mm256_sub_epi8(nibbles32(b[i].qs), _mm256_set1_epi8(8));
-    ACC(acc, fp16(b[i].d) * a[i].d, dot_s8s8(q, load32(a[i].qs)));
+static inline __m256i round_to_int(__m256 v) {
+  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* ---- activations ------------------------------------------------------------------------- */
+
+/* Q8_0 (ggml quantize_row_q8_0 with a float scale; the sum serves Q8_1's min term): d =
+   max |x| / 127, q = round(x / d) to nearest even. */
+static void quantize_q8(const float *x, ActQ8 *out, int64_t blocks) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < blocks; ++b, x += QK) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + 8 * k);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float d = _mm_cvtss_f32(m) / 127.f, id = d ? 1.f / d : 0.f;
+    __m256i q[4], total = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      q[k] = round_to_int(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+      total = _mm256_add_epi32(total, q[k]);
+    }
+    _mm256_storeu_si256((__m256i *)out[b].qs, pack32(q[0], q[1], q[2], q[3]));
+    out[b].d = d;
+    out[b].sum = hsum8i(total);
   }
-  return hsum8(acc);
 }
 
-static float dot_q5_0(const void *w, const ActQ8 *a, int64_t blocks) {
-  const BlockQ5_0 *b = (const BlockQ5_0 *)w;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < blocks; ++i) {
-    /* q - 16 as int8: the nibble with 0xF0 or'd in where the fifth bit is clear. */
-    __m256i high = _mm256_andnot_si256(bits32(b[i].qh), _mm256_set1_epi8((char)0xF0));
-    __m256i q = _mm256_or_si256(nibbles32(b[i].qs), high);
-    ACC(acc, fp16(b[i].d) * a[i].d, dot_s8s8(q, load32(a[i].qs)));
+/* Q8_K (ggml quantize_row_q8_K_ref): the scale puts the first value of largest magnitude at
+   -127; bsums hold each 16 values' sum. */
+static void quantize_q8k(const float *x, ActQ8K *out, int64_t blocks) {
+  for (int64_t b = 0; b < blocks; ++b, x += QKK) {
+    float amax = 0.f, max = 0.f;
+    for (int i = 0; i < QKK; ++i)
+      if (fabsf(x[i]) > amax) { amax = fabsf(x[i]); max = x[i]; }
+    ActQ8K *o = out + b;
+    if (amax == 0.f) {
+      memset(o, 0, sizeof *o);
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int k = 0; k < QKK / 32; ++k) {
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i)
+        q[i] = _mm256_min_epi32(round_to_int(_mm256_mul_ps(_mm256_set1_ps(iscale),
+                                                           _mm256_loadu_ps(x + 32 * k + 8 * i))),
+                                _mm256_set1_epi32(127));
+      o->bsums[2 * k] = (int16_t)hsum8i(_mm256_add_epi32(q[0], q[1]));
+      o->bsums[2 * k + 1] = (int16_t)hsum8i(_mm256_add_epi32(q[2], q[3]));
+      _mm256_storeu_si256((__m256i *)(o->qs + 32 * k), pack32(q[0], q[1], q[2], q[3]));
+    }
+    o->d = 1.f / iscale;
   }
-  return hsum8(acc);
 }
 
-static float dot_q4_1(const void *w, const ActQ8 *a, int64_t blocks) {
-  const BlockQ4_1 *b = (const BlockQ4_1 *)w;
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
-  for (int64_t i = 0; i < blocks; ++i) {
-    __m256i p = dot_u8s8(_mm256_setzero_si256(), nibbles32(b[i].qs), load32(a[i].qs));
-    ACC(acc, fp16(b[i].d) * a[i].d, p);
-    mins += fp16(b[i].m) * a[i].d * (float)a[i].sum;
+/* ---- products of one weight row with NR activation rows ---------------------------------- */
+
+/* Each weight block is unpacked once into int8 lanes and scales, then multiplied with the same
+   block of NR activation rows (a decode step has one; a prefill chunk takes them NR at a
+   time): unpacking and scale decoding cost once per NR rows. */
+
+/* The 32-value types: a block unpacks to 32 weights, a float scale and, for _1 types, a min.
+   Signed weights (q - 8, q - 16, Q8_0) multiply as |w| times a with w's sign. */
+typedef struct { __m256i q; float d, m; int is_signed; } Unpacked32;
+
+static inline Unpacked32 unpack_q8_0(const void *p) {
+  const BlockQ8_0 *b = (const BlockQ8_0 *)p;
+  return (Unpacked32){load32(b->qs), fp16(b->d), 0.f, 1};
+}
+static inline Unpacked32 unpack_q4_0(const void *p) {
+  const BlockQ4_0 *b = (const BlockQ4_0 *)p;
+  return (Unpacked32){_mm256_sub_epi8(nibbles32(b->qs), _mm256_set1_epi8(8)), fp16(b->d), 0.f, 1};
+}
+static inline Unpacked32 unpack_q5_0(const void *p) {
+  const BlockQ5_0 *b = (const BlockQ5_0 *)p;
+  /* q - 16 as int8: the nibble with 0xF0 or'd in where the fifth bit is clear. */
+  __m256i high = _mm256_andnot_si256(bits32(b->qh), _mm256_set1_epi8((char)0xF0));
+  return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), 0.f, 1};
+}
+static inline Unpacked32 unpack_q4_1(const void *p) {
+  const BlockQ4_1 *b = (const BlockQ4_1 *)p;
+  return (Unpacked32){nibbles32(b->qs), fp16(b->d), fp16(b->m), 0};
+}
+static inline Unpacked32 unpack_q5_1(const void *p) {
+  const BlockQ5_1 *b = (const BlockQ5_1 *)p;
+  __m256i high = _mm256_and_si256(bits32(b->qh), _mm256_set1_epi8(0x10));
+  return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), fp16(b->m), 0};
+}
+
+#define DEFINE_ROWS32(NAME, BLOCK, NR)                                                          \
+  static void rows_##NAME##_##NR(const uint8_t *w, const uint8_t *a, int64_t stride,           \
+                                 int64_t blocks, float *out) {                                  \
+    __m256 acc[NR];                                                                             \
+    float mins[NR];                                                                             \
+    for (int r = 0; r < NR; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }               \
+    for (int64_t i = 0; i < blocks; ++i) {                                                      \
+      Unpacked32 u = unpack_##NAME(w + i * sizeof(BLOCK));                                      \
+      __m256i magnitude = u.is_signed ? _mm256_sign_epi8(u.q, u.q) : u.q;                       \
+      for (int r = 0; r < NR; ++r) {                                                            \
+        const ActQ8 *x = (const ActQ8 *)(a + r * stride) + i;                                   \
+        __m256i s = u.is_signed ? _mm256_sign_epi8(load32(x->qs), u.q) : load32(x->qs);         \
+        __m256i p = dot_u8s8(_mm256_setzero_si256(), magnitude, s);                             \
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(p), acc[r]);    \
+        if (!u.is_signed) mins[r] += u.m * x->d * (float)x->sum; /* _1 types only */        \
+      }                                                                                         \
+    }                                                                                           \
+    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + mins[r];                              \
   }
-  return hsum8(acc) + mins;
-}
 
-static float dot_q5_1(const void *w, const ActQ8 *a, int64_t blocks) {
-  const BlockQ5_1 *b = (const BlockQ5_1 *)w;
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
-  for (int64_t i = 0; i < blocks; ++i) {
-    __m256i high = _mm256_and_si256(bits32(b[i].qh), _mm256_set1_epi8(0x10));
-    __m256i q = _mm256_or_si256(nibbles32(b[i].qs), high);
-    ACC(acc, fp16(b[i].d) * a[i].d, dot_u8s8(_mm256_setzero_si256(), q, load32(a[i].qs)));
-    mins += fp16(b[i].m) * a[i].d * (float)a[i].sum;
-  }
-  return hsum8(acc) + mins;
-}
+/* The k-quants: a super-block unpacks to 8 x 32 weights (unsigned), an int16 scale for each
+   32 (Q4_K / Q5_K: one per 32; Q6_K: one per 16, so each vector holds two), and the min
+   term's int16 multipliers of the activations' 16-value sums. */
+typedef struct { __m256i q[8], scale[8], mins; float d, dmin; } UnpackedK;
 
-/* The 6-bit scales and mins of Q4_K / Q5_K's eight sub-blocks (ggml get_scale_min_k4). */
 static inline void scales_mins_k4(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
   for (int j = 0; j < 4; ++j) {
     sc[j] = q[j] & 63;
@@ -230,109 +252,130 @@ static inline void scales_mins_k4(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
   }
 }
 
-/* Sums of u8 x s8 products over 32 values, times an int16 scale, in eight int32 lanes. */
-static inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scale16) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16);
+/* Q4_K / Q5_K's scales and mins (the min of sub-block j multiplies bsums 2j and 2j + 1). */
+static inline void unpack_k4_scales(const uint8_t *packed, UnpackedK *u) {
+  uint8_t sc[8], mn[8];
+  scales_mins_k4(packed, sc, mn);
+  for (int j = 0; j < 8; ++j) u->scale[j] = _mm256_set1_epi16(sc[j]);
+  __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+  u->mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
 }
 
-static float dot_q4_k(const void *w, const ActQ8K *a, int64_t blocks) {
-  const BlockQ4_K *b = (const BlockQ4_K *)w;
+static inline void unpack_q4_k(const void *p, UnpackedK *u) {
+  const BlockQ4_K *b = (const BlockQ4_K *)p;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
-  for (int64_t i = 0; i < blocks; ++i) {
-    uint8_t sc[8], mn[8];
-    scales_mins_k4(b[i].scales, sc, mn);
-    int32_t min_sum = 0;
-    for (int j = 0; j < 8; ++j) min_sum += mn[j] * (a[i].bsums[2 * j] + a[i].bsums[2 * j + 1]);
-    __m256i sum = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      __m256i q = load32(b[i].qs + 32 * j);
-      __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      sum = _mm256_add_epi32(sum, scaled_dot(lo, load32(a[i].qs + 64 * j), _mm256_set1_epi16(sc[2 * j])));
-      sum = _mm256_add_epi32(sum, scaled_dot(hi, load32(a[i].qs + 64 * j + 32), _mm256_set1_epi16(sc[2 * j + 1])));
-    }
-    ACC(acc, fp16(b[i].d) * a[i].d, sum);
-    mins += fp16(b[i].dmin) * a[i].d * (float)min_sum;
+  for (int j = 0; j < 4; ++j) {
+    __m256i q = load32(b->qs + 32 * j);
+    u->q[2 * j] = _mm256_and_si256(q, low4);
+    u->q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
   }
-  return hsum8(acc) - mins;
+  unpack_k4_scales(b->scales, u);
+  u->d = fp16(b->d);
+  u->dmin = fp16(b->dmin);
 }
 
-static float dot_q5_k(const void *w, const ActQ8K *a, int64_t blocks) {
-  const BlockQ5_K *b = (const BlockQ5_K *)w;
+static inline void unpack_q5_k(const void *p, UnpackedK *u) {
+  const BlockQ5_K *b = (const BlockQ5_K *)p;
   const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
-  for (int64_t i = 0; i < blocks; ++i) {
-    uint8_t sc[8], mn[8];
-    scales_mins_k4(b[i].scales, sc, mn);
-    int32_t min_sum = 0;
-    for (int j = 0; j < 8; ++j) min_sum += mn[j] * (a[i].bsums[2 * j] + a[i].bsums[2 * j + 1]);
-    const __m256i high = load32(b[i].qh);
-    __m256i sum = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      __m256i q = load32(b[i].qs + 32 * j);
-      /* The fifth bit of value 64 j + l is bit 2 j of qh[l], of 64 j + 32 + l bit 2 j + 1. */
-      __m256i hlo = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4);
-      __m256i hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4);
-      __m256i lo = _mm256_or_si256(_mm256_and_si256(q, low4), hlo);
-      __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), hhi);
-      sum = _mm256_add_epi32(sum, scaled_dot(lo, load32(a[i].qs + 64 * j), _mm256_set1_epi16(sc[2 * j])));
-      sum = _mm256_add_epi32(sum, scaled_dot(hi, load32(a[i].qs + 64 * j + 32), _mm256_set1_epi16(sc[2 * j + 1])));
-    }
-    ACC(acc, fp16(b[i].d) * a[i].d, sum);
-    mins += fp16(b[i].dmin) * a[i].d * (float)min_sum;
+  const __m256i high = load32(b->qh);
+  for (int j = 0; j < 4; ++j) {
+    __m256i q = load32(b->qs + 32 * j);
+    /* The fifth bit of value 64 j + l is bit 2 j of qh[l], of 64 j + 32 + l bit 2 j + 1. */
+    __m256i hlo = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4);
+    __m256i hhi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4);
+    u->q[2 * j] = _mm256_or_si256(_mm256_and_si256(q, low4), hlo);
+    u->q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), hhi);
   }
-  return hsum8(acc) - mins;
+  unpack_k4_scales(b->scales, u);
+  u->d = fp16(b->d);
+  u->dmin = fp16(b->dmin);
 }
 
-static float dot_q6_k(const void *w, const ActQ8K *a, int64_t blocks) {
-  const BlockQ6_K *b = (const BlockQ6_K *)w;
+/* Q6_K: values stored as q + 32 in 0..63, in the order of ggml's dequantize_row_q6_K; the
+   32 * sum term is the min term with each 16-value sum times 32 * its scale. */
+static inline void unpack_q6_k(const void *p, UnpackedK *u) {
+  const BlockQ6_K *b = (const BlockQ6_K *)p;
   const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int8_t *sc = b[i].scales;
-    /* Values are stored as q + 32 in 0..63: subtract 32 * (each sub-block's sum) after. */
-    int32_t offset = 0;
-    for (int s = 0; s < 16; ++s) offset += sc[s] * a[i].bsums[s];
-    __m256i sum = _mm256_setzero_si256();
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t *ql = b[i].ql + 64 * half, *qh = b[i].qh + 32 * half;
-      const int8_t *s = sc + 8 * half, *x = a[i].qs + 128 * half;
-      __m256i la = load32(ql), lb = load32(ql + 32), h = load32(qh);
-      __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
-          _mm256_or_si256(_mm256_and_si256(lb, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
-      };
-      for (int k = 0; k < 4; ++k) {
-        /* 32 values: the first 16 take scale s[2k], the next 16 s[2k + 1]. */
-        __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
-        sum = _mm256_add_epi32(sum, scaled_dot(q[k], load32(x + 32 * k), scale));
-      }
-    }
-    sum = _mm256_sub_epi32(sum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
-    ACC(acc, fp16(b[i].d) * a[i].d, sum);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t *ql = b->ql + 64 * half, *qh = b->qh + 32 * half;
+    const int8_t *s = b->scales + 8 * half;
+    __m256i la = load32(ql), lb = load32(ql + 32), h = load32(qh);
+    __m256i *q = u->q + 4 * half;
+    q[0] = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_slli_epi16(_mm256_and_si256(h, two), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(lb, low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4));
+    for (int k = 0; k < 4; ++k) /* the first 16 values take scale s[2k], the next 16 s[2k + 1] */
+      u->scale[4 * half + k] = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
   }
-  return hsum8(acc);
+  u->mins = _mm256_slli_epi16(
+      _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales)), 5);
+  u->d = u->dmin = fp16(b->d);
 }
 
-typedef float (*DotFn)(const void *w, const void *a, int64_t blocks);
+#define DEFINE_ROWS_K(NAME, BLOCK, NR)                                                          \
+  static void rows_##NAME##_##NR(const uint8_t *w, const uint8_t *a, int64_t stride,           \
+                                 int64_t blocks, float *out) {                                  \
+    __m256 acc[NR], acc_min[NR];                                                                \
+    for (int r = 0; r < NR; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();                     \
+    for (int64_t i = 0; i < blocks; ++i) {                                                      \
+      UnpackedK u;                                                                              \
+      unpack_##NAME(w + i * sizeof(BLOCK), &u);                                                 \
+      for (int r = 0; r < NR; ++r) {                                                            \
+        const ActQ8K *x = (const ActQ8K *)(a + r * stride) + i;                                 \
+        __m256i sum = _mm256_setzero_si256();                                                   \
+        for (int k = 0; k < 8; ++k)                                                             \
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(                                        \
+              _mm256_maddubs_epi16(u.q[k], load32(x->qs + 32 * k)), u.scale[k]));               \
+        __m256i mins = _mm256_madd_epi16(load32(x->bsums), u.mins);                             \
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(sum), acc[r]);  \
+        acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.dmin * x->d), _mm256_cvtepi32_ps(mins),  \
+                                     acc_min[r]);                                               \
+      }                                                                                         \
+    }                                                                                           \
+    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) - hsum8(acc_min[r]);                    \
+  }
 
-static DotFn dot_for(int type) {
+#define NR_MAX 4
+#define DEFINE_TYPE(KIND, NAME, BLOCK)                                                          \
+  DEFINE_ROWS##KIND(NAME, BLOCK, 1)                                                             \
+  DEFINE_ROWS##KIND(NAME, BLOCK, 2)                                                             \
+  DEFINE_ROWS##KIND(NAME, BLOCK, 3)                                                             \
+  DEFINE_ROWS##KIND(NAME, BLOCK, 4)                                                             \
+  static void rows_##NAME(const uint8_t *w, const uint8_t *a, int64_t stride, int64_t blocks,  \
+                          int nr, float *out) {                                                 \
+    switch (nr) {                                                                               \
+      case 1: rows_##NAME##_1(w, a, stride, blocks, out); break;                                \
+      case 2: rows_##NAME##_2(w, a, stride, blocks, out); break;                                \
+      case 3: rows_##NAME##_3(w, a, stride, blocks, out); break;                                \
+      default: rows_##NAME##_4(w, a, stride, blocks, out); break;                               \
+    }                                                                                           \
+  }
+DEFINE_TYPE(32, q8_0, BlockQ8_0)
+DEFINE_TYPE(32, q4_0, BlockQ4_0)
+DEFINE_TYPE(32, q5_0, BlockQ5_0)
+DEFINE_TYPE(32, q4_1, BlockQ4_1)
+DEFINE_TYPE(32, q5_1, BlockQ5_1)
+DEFINE_TYPE(_K, q4_k, BlockQ4_K)
+DEFINE_TYPE(_K, q5_k, BlockQ5_K)
+DEFINE_TYPE(_K, q6_k, BlockQ6_K)
+
+typedef void (*RowsFn)(const uint8_t *w, const uint8_t *a, int64_t stride, int64_t blocks, int nr,
+                       float *out);
+
+static RowsFn rows_for(int type) {
   switch (type) {
-    case GGML_Q4_0: return (DotFn)dot_q4_0;
-    case GGML_Q4_1: return (DotFn)dot_q4_1;
-    case GGML_Q5_0: return (DotFn)dot_q5_0;
-    case GGML_Q5_1: return (DotFn)dot_q5_1;
-    case GGML_Q8_0: return (DotFn)dot_q8_0;
-    case GGML_Q4_K: return (DotFn)dot_q4_k;
-    case GGML_Q5_K: return (DotFn)dot_q5_k;
-    case GGML_Q6_K: return (DotFn)dot_q6_k;
+    case GGML_Q4_0: return rows_q4_0;
+    case GGML_Q4_1: return rows_q4_1;
+    case GGML_Q5_0: return rows_q5_0;
+    case GGML_Q5_1: return rows_q5_1;
+    case GGML_Q8_0: return rows_q8_0;
+    case GGML_Q4_K: return rows_q4_k;
+    case GGML_Q5_K: return rows_q5_k;
+    case GGML_Q6_K: return rows_q6_k;
     default: return NULL;
   }
 }
@@ -340,8 +383,28 @@ static DotFn dot_for(int type) {
 /* ---- the threaded product ---------------------------------------------------------------- */
 
 typedef struct {
+  const float *x;
+  uint8_t *xq;
+  int64_t in, blocks, act_bytes, m;
+  int k_quant;
+} QuantizeJob;
+
+#define Q_ROWS_PER_QUANTIZE 8
+
+static void quantize_block(const void *arg, int64_t claim) {
+  const QuantizeJob *j = (const QuantizeJob *)arg;
+  int64_t end = (claim + 1) * Q_ROWS_PER_QUANTIZE;
+  if (end > j->m) end = j->m;
+  for (int64_t r = claim * Q_ROWS_PER_QUANTIZE; r < end; ++r) {
+    uint8_t *row = j->xq + r * j->blocks * j->act_bytes;
+    if (j->k_quant) quantize_q8k(j->x + r * j->in, (ActQ8K *)row, j->blocks);
+    else quantize_q8(j->x + r * j->in, (ActQ8 *)row, j->blocks);
+  }
+}
+
+typedef struct {
   const uint8_t *W;
-  DotFn dot;
+  RowsFn rows;
   const uint8_t *xq; /* [m] rows of activation blocks */
   float *y;
   int64_t out, ldy, m, blocks, row_bytes, xq_row_bytes;
@@ -349,32 +412,38 @@ typedef struct {
 
 #define Q_ROWS_PER_CLAIM 32
 
+/* 32 weight rows against every activation row, NR_MAX at a time: those activation rows stay
+   in L1 across the 32 weight rows, and the weight rows across the activation rows. */
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
   int64_t end = (claim + 1) * Q_ROWS_PER_CLAIM;
   if (end > j->out) end = j->out;
-  for (int64_t o = claim * Q_ROWS_PER_CLAIM; o < end; ++o) {
-    const uint8_t *w = j->W + o * j->row_bytes;
-    for (int64_t r = 0; r < j->m; ++r)
-      j->y[r * j->ldy + o] = j->dot(w, j->xq + r * j->xq_row_bytes, j->blocks);
+  float results[NR_MAX];
+  for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
+    int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
+    for (int64_t o = claim * Q_ROWS_PER_CLAIM; o < end; ++o) {
+      j->rows(j->W + o * j->row_bytes, j->xq + r0 * j->xq_row_bytes, j->xq_row_bytes, j->blocks,
+              nr, results);
+      for (int r = 0; r < nr; ++r) j->y[(r0 + r) * j->ldy + o] = results[r];
+    }
   }
 }
 
 int qmatvec(const void *W, int type, const float *x, float *y, int64_t out, int64_t in,
             int64_t ldy, int64_t m, int threads) {
   const int64_t per_block = ggml_block_elements(type);
-  DotFn dot = dot_for(type);
-  if (!dot || m < 1 || out < 1 || in < 1 || in % per_block || ldy < out) return -1;
+  RowsFn rows = rows_for(type);
+  if (!rows || m < 1 || out < 1 || in < 1 || in % per_block || ldy < out) return -1;
   const int64_t blocks = in / per_block;
-  const int64_t act_bytes = is_k_quant(type) ? (int64_t)sizeof(ActQ8K) : (int64_t)sizeof(ActQ8);
+  const int k_quant = is_k_quant(type);
+  const int64_t act_bytes = k_quant ? (int64_t)sizeof(ActQ8K) : (int64_t)sizeof(ActQ8);
   uint8_t *xq = malloc((size_t)(m * blocks * act_bytes));
   if (!xq) return -2;
-  for (int64_t r = 0; r < m; ++r) {
-    if (is_k_quant(type)) quantize_q8k(x + r * in, (ActQ8K *)(xq + r * blocks * act_bytes), blocks);
-    else quantize_q8(x + r * in, (ActQ8 *)(xq + r * blocks * act_bytes), blocks);
-  }
-  QJob job = {(const uint8_t *)W, dot, xq, y, out, ldy, m, blocks, blocks * ggml_block_bytes(type),
-              blocks * act_bytes};
+  QuantizeJob quantize = {x, xq, in, blocks, act_bytes, m, k_quant};
+  run_blocks(quantize_block, &quantize, (m + Q_ROWS_PER_QUANTIZE - 1) / Q_ROWS_PER_QUANTIZE,
+             threads);
+  QJob job = {(const uint8_t *)W, rows, xq, y, out, ldy, m, blocks,
+              blocks * ggml_block_bytes(type), blocks * act_bytes};
   run_blocks(qmatvec_block, &job, (out + Q_ROWS_PER_CLAIM - 1) / Q_ROWS_PER_CLAIM, threads);
   free(xq);
   return 0;
