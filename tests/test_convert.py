@@ -52,9 +52,11 @@ def gguf_name(hf_name: str, arch: str) -> str:
             "lm_head.weight": "output.weight"}[hf_name]
 
 
-def write_llamacpp_gguf(model_dir: Path, path: Path, arch: str, q8_tensors: tuple[str, ...] = ()) -> None:
+def write_llamacpp_gguf(model_dir: Path, path: Path, arch: str, q8_tensors: tuple[str, ...] = (),
+                        types: dict[str, GGMLQuantizationType] | None = None) -> None:
     """Export an mlx-lm folder to GGUF the way llama.cpp's converter does: its names, q/k rows
-    permuted for llama, Gemma norms stored as w + 1, config as metadata, the BPE vocabulary."""
+    permuted for llama, Gemma norms stored as w + 1, config as metadata, the BPE vocabulary.
+    `types`: the storage of tensors by GGUF name without the layer (e.g. "attn_q": Q5_0)."""
     config = json.loads((model_dir / "config.json").read_text())
     weights = mx.load(str(model_dir / "model.safetensors"))
     writer = GGUFWriter(str(path), arch)
@@ -89,10 +91,19 @@ def write_llamacpp_gguf(model_dir: Path, path: Path, arch: str, q8_tensors: tupl
         if arch == "gemma3" and name.endswith("norm.weight"):
             array = array + 1.0
         target = gguf_name(name, arch)
-        if target in q8_tensors:
-            writer.add_tensor(target, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
+        short = target.split(".")[-2]
+        qtype = GGMLQuantizationType.Q8_0 if target in q8_tensors else (types or {}).get(short)
+        if qtype is None or array.ndim != 2:
             writer.add_tensor(target, array)
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(target, array.astype(np.float16))
+        elif qtype == GGMLQuantizationType.IQ4_NL:  # no quantizer in gguf-py: random blocks
+            blocks = np.random.default_rng(0).integers(0, 256, (array.shape[0], array.shape[1] // 32, 18),
+                                                       dtype=np.uint8)
+            blocks[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+            writer.add_tensor(target, blocks.reshape(array.shape[0], -1), raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
