@@ -43,9 +43,10 @@ import mlx.nn as nn
 import numpy as np
 
 from rewind.kernels import native
-from rewind.kernels.backend import ObjectTable
 from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
 from rewind.kernels.cpu_attention import attention_into
+from rewind.kernels.model_split import split_model
+from rewind.kernels.object_table import ObjectTable
 
 log = logging.getLogger(__name__)
 
@@ -494,8 +495,6 @@ def requested_form(form: str | None = None) -> str:
 def install_native_forward(model: Any, form: str | None = None) -> NativeForward | None:
     """Route `model`'s backbone through the C kernels; None when the kernels or the family are
     not available (MLX's path then runs, with the same answers)."""
-    from rewind.engine.forward import split_model
-
     form = requested_form(form)
     if form == "off":
         return None
@@ -519,16 +518,12 @@ def install_native_forward(model: Any, form: str | None = None) -> NativeForward
 
 
 def native_forward(model: Any) -> NativeForward | None:
-    from rewind.engine.forward import split_model
-
     split = split_model(model)
     return None if split is None else _FORWARDS.get(split.backbone)
 
 
 def remove_native_forward(model: Any) -> bool:
     """Give the backbone its MLX call back; True when there was a native one."""
-    from rewind.engine.forward import split_model
-
     split = split_model(model)
     backbone = None if split is None else split.backbone
     if backbone is None or _FORWARDS.pop(backbone) is None:
