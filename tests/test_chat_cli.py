@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from rewind.commands.chat import ChatSession, split_reasoning
-from rewind.commands.generate import ReplyStats, new_cache, stream_reply
+from rewind.commands.common import ReplyStats, new_cache, stream_reply
 from rewind.config import CacheConfig
 
 TURNS = ["What is the weather in Berlin today? " * 3, "And tomorrow, will it be sunny?",

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from live_server import Live, post, tiny_live_server
 
-from rewind.cache.file_io import DiskFaults
+from rewind.config import DiskFaults
 
 # Three prompts over a shared 512-token prefix, each sent twice: the repeats restore from disk.
 BASE = [(11 * i) % 500 + 3 for i in range(520)]

@@ -17,7 +17,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from rewind.kernels import fast_head
-from rewind.engine.forward import last_logits, prefill, split_model
+from rewind.engine.forward import last_logits, prefill
+from rewind.kernels.model_split import split_model
 from rewind.engine.single import BLOCK_TOKENS, chunk_ends, generate_tokens, prefill_prompt
 from rewind.models.loader import load_model, prepare_for_backend
 

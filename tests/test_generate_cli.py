@@ -154,7 +154,7 @@ def test_cache_and_sampling_options_run(capsys, tiny_model_path, options):
 def test_kv_bits_quantizes_full_attention_only(tiny_loaded):
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-    from rewind.commands.generate import new_cache
+    from rewind.commands.common import new_cache
 
     cache = new_cache(tiny_loaded("gemma3").model, None, 4)
     assert {type(c) for c in cache} == {QuantizedKVCache, RotatingKVCache}

@@ -14,7 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from rewind.cache import PromptCache
 from rewind.config import CacheConfig, EngineConfig
 from rewind.engine import Engine, GenerationRequest, SamplingParams
-from rewind.engine.forward import last_logits, split_model
+from rewind.engine.forward import last_logits
+from rewind.kernels.model_split import split_model
 from rewind.kernels.native_forward import native_forward
 from rewind.models.loader import load_model
 from rewind.testing.tiny_models import build_tiny_model

@@ -150,7 +150,7 @@ def test_greedy_decode_after_the_image_equals_mlx_vlm(vision):
 def test_the_language_model_takes_the_engines_backbone_then_head_path(vision):
     """Prefill computes the logits of the last position only (mlx-lm's llama under the names
     `mistral` and `ministral3` included), not the whole vocabulary at every image token."""
-    from rewind.engine.forward import split_model
+    from rewind.kernels.model_split import split_model
 
     assert split_model(vision[0].model) is not None
 

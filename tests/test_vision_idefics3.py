@@ -45,7 +45,7 @@ def reference_model(vision):
 def test_the_language_model_is_mlx_lms_llama_and_computes_as_mlx_vlms(vision):
     from mlx_lm.models import llama
 
-    from rewind.engine.forward import split_model
+    from rewind.kernels.model_split import split_model
 
     loaded, _ = vision
     assert isinstance(loaded.model, llama.Model)

@@ -125,7 +125,7 @@ def reference_grid(size: list[int]) -> tuple[int, int]:
 def test_the_language_model_is_mlx_lms_llama_and_computes_as_mlx_vlms(vision, reference_model):
     from mlx_lm.models import llama
 
-    from rewind.engine.forward import split_model
+    from rewind.kernels.model_split import split_model
 
     loaded, _ = vision
     assert isinstance(loaded.model, llama.Model)

@@ -134,7 +134,7 @@ def test_greedy_decode_equals_mlx_vlm_with_the_image_across_a_chunk_boundary(vis
 def test_the_first_layers_take_residuals_and_keep_their_weights(vision):
     from mlx.utils import tree_flatten
 
-    from rewind.engine.forward import split_model
+    from rewind.kernels.model_split import split_model
     from rewind.kernels.native_forward import native_forward
     from rewind.engine.residuals import residuals_holder
 

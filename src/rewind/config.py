@@ -6,12 +6,8 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rewind.paths import scratch_dir
-
-if TYPE_CHECKING:
-    from rewind.cache.file_io import DiskFaults
 
 BLOCK_TOKENS = 256  # checkpoint / prefill-chunk granularity, in tokens
 KV_BITS = (2, 3, 4, 5, 6, 8)  # the bits MLX quantizes to (a quantized KV cache)
@@ -39,6 +35,21 @@ def default_disk_budget(folder: Path | None = None) -> int:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     return int(min(30 << 30, free // 4))
+
+
+@dataclass
+class DiskFaults:
+    """Tests only: faults that rewind.cache.file_io injects under the disk tier's file I/O, each
+    on every `every`-th call of its kind after `after` calls (`every=1`: on every call). `write_errno` / `read_errno`: the errno raised (EIO, ENOSPC...);
+    `short_write`: a write puts down at most this many bytes (the store must loop);
+    `flip_reads`: a read comes back with one byte changed (the checksum must catch it)."""
+
+    write_errno: int | None = None
+    read_errno: int | None = None
+    short_write: int | None = None
+    flip_reads: bool = False
+    every: int = 1
+    after: int = 0
 
 
 @dataclass

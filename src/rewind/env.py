@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewind.forms import QuantSpec
+
 
 class EnvError(ValueError):
     """A REWIND_* variable holds a value it does not take."""
@@ -52,8 +54,6 @@ class Var:
 
 
 def _check_form(value: str) -> None:
-    from rewind.models.registry import QuantSpec  # only when the variable is set
-
     QuantSpec.from_form(value)
 
 

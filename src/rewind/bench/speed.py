@@ -132,7 +132,7 @@ def rewind_perplexity(model: Any, tokenizer: Any, text: str, limit: int = 2048) 
     import numpy as np
 
     from rewind.kernels.fast_head import fast_head
-    from rewind.engine.forward import split_model
+    from rewind.kernels.model_split import split_model
 
     tokens = tokenizer.encode(text)[:limit]
     split = split_model(model)

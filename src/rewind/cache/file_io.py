@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+
+from rewind.config import DiskFaults
 
 
 class FileIO:
@@ -21,21 +22,6 @@ class FileIO:
 
     def ftruncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
-
-
-@dataclass
-class DiskFaults:
-    """Which faults to inject, each on every `every`-th call of its kind after `after` calls
-    (`every=1`: on every call). `write_errno` / `read_errno`: the errno raised (EIO, ENOSPC...);
-    `short_write`: a write puts down at most this many bytes (the store must loop);
-    `flip_reads`: a read comes back with one byte changed (the checksum must catch it)."""
-
-    write_errno: int | None = None
-    read_errno: int | None = None
-    short_write: int | None = None
-    flip_reads: bool = False
-    every: int = 1
-    after: int = 0
 
 
 class FaultyFileIO(FileIO):

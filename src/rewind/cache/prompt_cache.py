@@ -27,8 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rewind.cache import records as rec
 from rewind.cache.blocks import (
@@ -41,11 +40,8 @@ from rewind.cache.blocks import (
 from rewind.cache.kv import make_cache
 from rewind.cache.ram_tier import RamTier
 from rewind.cache.serialize import Record
-from rewind.config import CacheConfig, default_disk_budget
-from rewind.paths import scratch_dir
-
-if TYPE_CHECKING:
-    from rewind.cache.shared_tiers import SharedTiers
+from rewind.cache.shared_tiers import SharedTiers, open_store
+from rewind.config import CacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,31 +71,6 @@ class _Point:
     windows: list[int]  # indices into `spine` of the blocks whose window records it needs
 
 
-def _open_store(config: CacheConfig) -> Any | None:
-    """The disk tier, or None when it is off or cannot be opened (never fatal)."""
-    if not config.disk_enabled:
-        return None
-    try:
-        from rewind.cache.file_io import file_io
-        from rewind.cache.store import ScratchStore
-    except ImportError:  # the disk tier is not built in this checkout
-        log.warning("disk tier unavailable: rewind.cache.store is missing")
-        return None
-    folder = Path(config.cache_dir) if config.cache_dir else scratch_dir()
-    try:
-        budget = config.disk_bytes if config.disk_bytes is not None else default_disk_budget(folder)
-        store = ScratchStore(folder, budget, queue_size=config.writer_queue,
-                             io=file_io(config.disk_faults), persist=config.persist,
-                             snapshot_records=config.snapshot_records,
-                             snapshot_seconds=config.snapshot_seconds)
-    except Exception as error:  # noqa: BLE001 - a broken disk tier costs recompute, not a crash
-        log.warning("disk tier disabled: %s", error)
-        return None
-    if not store.enabled:
-        log.warning("disk tier disabled: %s", store.disabled_reason)
-    return store
-
-
 class PromptCache:
     """Checkpoints and restores prompt prefixes of one model across requests."""
 
@@ -123,7 +94,7 @@ class PromptCache:
             self.store = tiers.store if self.config.enabled else None
             self.ram = tiers.ram
         else:
-            self.store = _open_store(self.config) if self.config.enabled else None
+            self.store = open_store(self.config) if self.config.enabled else None
             self.ram = RamTier(self.config.ram_bytes, spill=self._spill)
         # A persistent store writes every record through as it is made (a kill loses only the
         # newest), and brings back the partial points of an earlier process.

@@ -1,4 +1,5 @@
-"""One RAM tier and one disk file for the prompt caches of every model a server holds.
+"""The prompt cache's tiers: `open_store` opens the disk tier, and SharedTiers holds one RAM tier
+and one disk file for the prompt caches of every model a server holds.
 
 Each model keeps its own PromptCache (its partial-point index, its counters), but their records
 live in these tiers under one chain-aware LRU: a model that is used keeps its prefixes hot, one
@@ -8,19 +9,45 @@ model's fingerprint, so two models' records never answer for each other.
 
 from __future__ import annotations
 
+import logging
 import threading
+from pathlib import Path
 from typing import Any
 
-from rewind.cache.prompt_cache import _open_store
+from rewind.cache.file_io import file_io
 from rewind.cache.ram_tier import RamTier
 from rewind.cache.serialize import Record
-from rewind.config import CacheConfig
+from rewind.cache.store import ScratchStore
+from rewind.config import CacheConfig, default_disk_budget
+from rewind.paths import scratch_dir
+
+log = logging.getLogger(__name__)
+
+
+def open_store(config: CacheConfig) -> ScratchStore | None:
+    """The disk tier, or None when it is off or cannot be opened (never fatal): shared by the
+    models of a SharedTiers, or a PromptCache's own."""
+    if not config.disk_enabled:
+        return None
+    folder = Path(config.cache_dir) if config.cache_dir else scratch_dir()
+    try:
+        budget = config.disk_bytes if config.disk_bytes is not None else default_disk_budget(folder)
+        store = ScratchStore(folder, budget, queue_size=config.writer_queue,
+                             io=file_io(config.disk_faults), persist=config.persist,
+                             snapshot_records=config.snapshot_records,
+                             snapshot_seconds=config.snapshot_seconds)
+    except Exception as error:  # noqa: BLE001 - a broken disk tier costs recompute, not a crash
+        log.warning("disk tier disabled: %s", error)
+        return None
+    if not store.enabled:
+        log.warning("disk tier disabled: %s", store.disabled_reason)
+    return store
 
 
 class SharedTiers:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self.store = _open_store(config) if config.enabled else None
+        self.store = open_store(config) if config.enabled else None
         self.ram = RamTier(config.ram_bytes, spill=self._spill)
         self._lock = threading.Lock()
         self._closed = False

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rewind.commands.generate import (
+from rewind.commands.common import (
     UserError,
     add_cache_shape_args,
     add_model_arg,

@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import Any
 
-from rewind.commands.generate import (
+from rewind.commands.common import (
     ReplyStats,
     UserError,
     add_model_arg,

@@ -32,7 +32,8 @@ def default_out(src: str, form: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.models.conversion import QuantSpec, convert, folder_size, is_model_folder
+    from rewind.forms import QuantSpec
+    from rewind.models.conversion import convert, folder_size, is_model_folder
     from rewind.models.gguf_file import GgufError
 
     try:

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from rewind.commands.generate import add_cpu_weights_arg
+from rewind.commands.common import add_cpu_weights_arg
 from rewind.config import CacheConfig, EngineConfig, ServerConfig, parse_size
 
 

@@ -29,10 +29,10 @@ from typing import Any
 import mlx.core as mx
 
 from rewind.config import BLOCK_TOKENS, default_chunk_tokens
-from rewind.engine.forward import pipeline_stages, split_model
 from rewind.engine.positions import given_positions
 from rewind.engine.residuals import given_residuals
 from rewind.kernels.backend import ModelKernels, kernels_for
+from rewind.kernels.model_split import pipeline_stages, split_model
 
 
 @dataclass

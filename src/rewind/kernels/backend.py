@@ -6,38 +6,19 @@ kernel for the gated delta rule; "metal": mlx-lm's own). What a backend set up f
 model object, never as attributes on mlx-lm's objects; `kernels_for(model)` hands it out as a
 `ModelKernels`, which the runner is given (rewind.engine.runner.ModelRunner).
 
-Tables hold a weak reference's worth: an entry goes when its model is garbage-collected (an
-unloaded model of the model pool), so they never keep weights alive.
+Tables (rewind.kernels.object_table) hold a weak reference's worth: an entry goes when its model
+is garbage-collected (an unloaded model of the model pool), so they never keep weights alive.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-Value = TypeVar("Value")
-
-
-class ObjectTable(Generic[Value]):
-    """object -> value, for objects that cannot carry attributes of ours; entries die with
-    their object."""
-
-    def __init__(self) -> None:
-        self._values: dict[int, Value] = {}
-
-    def set(self, key: Any, value: Value) -> None:
-        ident = id(key)
-        if ident not in self._values:
-            weakref.finalize(key, self._values.pop, ident, None)
-        self._values[ident] = value
-
-    def get(self, key: Any) -> Value | None:
-        return self._values.get(id(key))
-
-    def pop(self, key: Any) -> Value | None:
-        return self._values.pop(id(key), None)
+from rewind.kernels.fast_head import fast_head
+from rewind.kernels.model_split import split_model
+from rewind.kernels.native_forward import native_forward
 
 
 @dataclass(frozen=True)
@@ -58,10 +39,6 @@ class KernelBackend:
     name: str  # cpu | cuda | metal
 
     def kernels_for(self, model: Any) -> ModelKernels:
-        from rewind.engine.forward import split_model
-        from rewind.kernels.fast_head import fast_head
-        from rewind.kernels.native_forward import native_forward
-
         if self.name != "cpu":
             return ModelKernels()
         split = split_model(model)

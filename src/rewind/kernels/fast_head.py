@@ -18,9 +18,10 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
-from rewind.kernels.backend import ObjectTable
+from rewind.kernels.object_table import ObjectTable
 
 from rewind.kernels.boundary import Kernels, MatrixArgs, kernels
+from rewind.kernels.model_split import split_model
 from rewind.kernels.native import FORMS, int8_rows, kernel_threads
 from rewind.kernels.native_forward import host_view
 from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
@@ -102,8 +103,6 @@ class CpuHead:
 def head_weight(model: Any) -> mx.array | None:
     """The output projection's float weight [vocab, dim] of a model with a known split, or None
     (quantized heads and unknown families keep their own head)."""
-    from rewind.engine.forward import split_model
-
     split = split_model(model)
     if split is None:
         return None

@@ -43,9 +43,10 @@ import mlx.nn as nn
 import numpy as np
 
 from rewind.kernels import native
-from rewind.kernels.backend import ObjectTable
 from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
 from rewind.kernels.cpu_attention import attention_into
+from rewind.kernels.model_split import forget_split, split_model
+from rewind.kernels.object_table import ObjectTable
 from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
 
 log = logging.getLogger(__name__)
@@ -632,8 +633,6 @@ def install_native_forward(model: Any, form: str | None = None,
     """Route `model`'s backbone through the C kernels; None when the kernels or the family are
     not available (MLX's path then runs, with the same answers). Form "gguf" reads `stored`,
     the weights of the file the model came from, in place."""
-    from rewind.engine.forward import split_model
-
     form = requested_form(form)
     if form == "off":
         return None
@@ -667,8 +666,6 @@ def _swap_in_place_modules(model: Any, backbone: Any, stored: StoredWeights,
                            kernels: Kernels) -> list[tuple[Any, str, Any]]:
     """Give the model in-place modules for its embedding (and tied head) and, where the file has
     one, its output head; returns (owner, name, original) to swap back."""
-    from rewind.engine.forward import forget_split
-
     table = stored.matrices.get("model.embed_tokens")
     if table is None:
         raise Unsupported("stored weights have no embedding table")
@@ -688,8 +685,6 @@ def _swap_in_place_modules(model: Any, backbone: Any, stored: StoredWeights,
 
 
 def _swap_back(model: Any, swapped: list[tuple[Any, str, Any]]) -> None:
-    from rewind.engine.forward import forget_split
-
     for owner, name, original in reversed(swapped):
         setattr(owner, name, original)
     if swapped:
@@ -697,16 +692,12 @@ def _swap_back(model: Any, swapped: list[tuple[Any, str, Any]]) -> None:
 
 
 def native_forward(model: Any) -> NativeForward | None:
-    from rewind.engine.forward import split_model
-
     split = split_model(model)
     return None if split is None else _FORWARDS.get(split.backbone)
 
 
 def remove_native_forward(model: Any) -> bool:
     """Give the backbone its MLX call back; True when there was a native one."""
-    from rewind.engine.forward import split_model
-
     split = split_model(model)
     backbone = None if split is None else split.backbone
     forward = None if backbone is None else _FORWARDS.pop(backbone)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rewind.forms import QuantSpec
 from rewind.models import hf_cache
-from rewind.models.conversion import META_FILE, QuantSpec, is_model_folder
+from rewind.models.conversion import META_FILE, is_model_folder
 from rewind.models.registry import (
     DEFAULT_NAME,
     ModelNotFoundError,

@@ -17,46 +17,14 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rewind import __version__
+from rewind.forms import QuantSpec
 from rewind.models.gguf_file import GgufError
 
-VALID_BITS = (4, 8, 16)
 META_FILE = "rewind.json"  # what we converted from and how; read by `rewind models`
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How weights are stored: bits 16 = bfloat16 (no quantization), else mlx affine quantization."""
-
-    bits: int = 16
-    group_size: int = 64
-
-    def __post_init__(self) -> None:
-        if self.bits not in VALID_BITS:
-            raise ValueError(f"--q-bits must be one of {VALID_BITS}, not {self.bits}")
-        if self.bits != 16 and self.group_size not in (32, 64, 128):
-            raise ValueError(f"--q-group-size must be 32, 64 or 128, not {self.group_size}")
-
-    @property
-    def form(self) -> str:
-        """A short name for the stored form: bf16, q8, q4 (group 64) or q4g32 (another group)."""
-        if self.bits == 16:
-            return "bf16"
-        return f"q{self.bits}" if self.group_size == 64 else f"q{self.bits}g{self.group_size}"
-
-    @classmethod
-    def from_form(cls, form: str) -> QuantSpec:
-        if form == "bf16":
-            return cls(16)
-        if form.startswith("q"):
-            bits, _, group = form[1:].partition("g")
-            if bits.isdigit() and (not group or group.isdigit()):
-                return cls(int(bits), int(group) if group else 64)
-        raise ValueError(f"unknown model form {form!r} (bf16, q8, q4, q4g32, ...)")
 
 
 # -- atomic folder and lock --------------------------------------------------------------------

