@@ -149,18 +149,25 @@ static int apply(const Matrix *M, const float *x, float *y, int64_t out, int64_t
                  int threads) {
   if (M->count < 1 || M->count > MAX_PARTS) return -1;
   int64_t first = 0;
+  QPart blocks[MAX_PARTS]; /* the parts stored as ggml blocks: one job for all of them */
+  int nblocks = 0;
   for (int64_t p = 0; p < M->count; ++p) {
     const Part *part = &M->parts[p];
     if (part->rows < 1 || first + part->rows > out) return -1;
-    int status = part->form >= FORM_GGML
-        ? qmatvec(part->weight, (int)(part->form - FORM_GGML), x, y + first, part->rows, in, out,
-                  m, threads)
-        : matvec_ld(part->weight, part->scale, (int)part->form, x, y + first, part->rows, in,
-                    out, m, threads);
-    if (status) return status;
+    if (part->form >= FORM_GGML) {
+      blocks[nblocks++] = (QPart){part->weight, (int)(part->form - FORM_GGML), first, part->rows};
+    } else {
+      int status = matvec_ld(part->weight, part->scale, (int)part->form, x, y + first,
+                             part->rows, in, out, m, threads);
+      if (status) return status;
+    }
     first += part->rows;
   }
   if (first != out) return -1;
+  if (nblocks) {
+    int status = qmatvec_parts(blocks, nblocks, x, y, out, in, m, threads);
+    if (status) return status;
+  }
   if (!M->bias) return 0;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t o = 0; o < out; ++o) y[r * out + o] += M->bias[o];

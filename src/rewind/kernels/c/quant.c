@@ -403,48 +403,86 @@ static void quantize_block(const void *arg, int64_t claim) {
 }
 
 typedef struct {
-  const uint8_t *W;
+  const uint8_t *W, *xq; /* the part's weights; its kind of activation rows */
   RowsFn rows;
-  const uint8_t *xq; /* [m] rows of activation blocks */
+  int64_t first, count, claims_before; /* output rows [first, first + count); claims of earlier parts */
+  int64_t row_bytes, xq_row_bytes, blocks;
+} QJobPart;
+
+typedef struct {
+  QJobPart parts[QMAX_PARTS];
+  int nparts;
   float *y;
-  int64_t out, ldy, m, blocks, row_bytes, xq_row_bytes;
+  int64_t ldy, m;
 } QJob;
 
 #define Q_ROWS_PER_CLAIM 32
 
-/* 32 weight rows against every activation row, NR_MAX at a time: those activation rows stay
-   in L1 across the 32 weight rows, and the weight rows across the activation rows. */
+/* 32 weight rows of one part against every activation row, NR_MAX at a time: those activation
+   rows stay in L1 across the 32 weight rows, and the weight rows across the activation rows. */
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
-  int64_t end = (claim + 1) * Q_ROWS_PER_CLAIM;
-  if (end > j->out) end = j->out;
+  int p = j->nparts - 1;
+  while (p > 0 && claim < j->parts[p].claims_before) --p;
+  const QJobPart *part = &j->parts[p];
+  const int64_t local = claim - part->claims_before;
+  int64_t end = (local + 1) * Q_ROWS_PER_CLAIM;
+  if (end > part->count) end = part->count;
   float results[NR_MAX];
   for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
     int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
-    for (int64_t o = claim * Q_ROWS_PER_CLAIM; o < end; ++o) {
-      j->rows(j->W + o * j->row_bytes, j->xq + r0 * j->xq_row_bytes, j->xq_row_bytes, j->blocks,
-              nr, results);
-      for (int r = 0; r < nr; ++r) j->y[(r0 + r) * j->ldy + o] = results[r];
+    for (int64_t o = local * Q_ROWS_PER_CLAIM; o < end; ++o) {
+      part->rows(part->W + o * part->row_bytes, part->xq + r0 * part->xq_row_bytes,
+                 part->xq_row_bytes, part->blocks, nr, results);
+      for (int r = 0; r < nr; ++r) j->y[(r0 + r) * j->ldy + part->first + o] = results[r];
     }
   }
 }
 
-int qmatvec(const void *W, int type, const float *x, float *y, int64_t out, int64_t in,
-            int64_t ldy, int64_t m, int threads) {
-  const int64_t per_block = ggml_block_elements(type);
-  RowsFn rows = rows_for(type);
-  if (!rows || m < 1 || out < 1 || in < 1 || in % per_block || ldy < out) return -1;
-  const int64_t blocks = in / per_block;
-  const int k_quant = is_k_quant(type);
-  const int64_t act_bytes = k_quant ? (int64_t)sizeof(ActQ8K) : (int64_t)sizeof(ActQ8);
-  uint8_t *xq = malloc((size_t)(m * blocks * act_bytes));
+/* Rows up to which the caller quantizes activations itself: a pool dispatch costs more. */
+#define QUANTIZE_INLINE_ROWS 4
+
+static void quantize_rows(const float *x, uint8_t *xq, int64_t in, int64_t blocks,
+                          int64_t act_bytes, int64_t m, int k_quant, int threads) {
+  QuantizeJob job = {x, xq, in, blocks, act_bytes, m, k_quant};
+  const int64_t claims = (m + Q_ROWS_PER_QUANTIZE - 1) / Q_ROWS_PER_QUANTIZE;
+  if (m <= QUANTIZE_INLINE_ROWS) {
+    for (int64_t c = 0; c < claims; ++c) quantize_block(&job, c);
+  } else {
+    run_blocks(quantize_block, &job, claims, threads);
+  }
+}
+
+int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int64_t ldy,
+                  int64_t in, int64_t m, int threads) {
+  if (nparts < 1 || nparts > QMAX_PARTS || m < 1 || in < 1) return -1;
+  int kinds[2] = {0, 0}; /* Q8 (32-value types), Q8_K (k-quants) */
+  for (int p = 0; p < nparts; ++p) {
+    const int64_t per_block = ggml_block_elements(parts[p].type);
+    if (!per_block || !rows_for(parts[p].type) || in % per_block || parts[p].rows < 1 ||
+        parts[p].first < 0 || parts[p].first + parts[p].rows > ldy)
+      return -1;
+    kinds[is_k_quant(parts[p].type)] = 1;
+  }
+  const int64_t q8_bytes = (in / QK) * (int64_t)sizeof(ActQ8);
+  const int64_t q8k_bytes = in % QKK ? 0 : (in / QKK) * (int64_t)sizeof(ActQ8K);
+  uint8_t *xq = malloc((size_t)(m * ((kinds[0] ? q8_bytes : 0) + (kinds[1] ? q8k_bytes : 0))));
   if (!xq) return -2;
-  QuantizeJob quantize = {x, xq, in, blocks, act_bytes, m, k_quant};
-  run_blocks(quantize_block, &quantize, (m + Q_ROWS_PER_QUANTIZE - 1) / Q_ROWS_PER_QUANTIZE,
-             threads);
-  QJob job = {(const uint8_t *)W, rows, xq, y, out, ldy, m, blocks,
-              blocks * ggml_block_bytes(type), blocks * act_bytes};
-  run_blocks(qmatvec_block, &job, (out + Q_ROWS_PER_CLAIM - 1) / Q_ROWS_PER_CLAIM, threads);
+  uint8_t *q8 = xq, *q8k = xq + (kinds[0] ? m * q8_bytes : 0);
+  if (kinds[0]) quantize_rows(x, q8, in, in / QK, sizeof(ActQ8), m, 0, threads);
+  if (kinds[1]) quantize_rows(x, q8k, in, in / QKK, sizeof(ActQ8K), m, 1, threads);
+  QJob job = {.nparts = nparts, .y = y, .ldy = ldy, .m = m};
+  int64_t claims = 0;
+  for (int p = 0; p < nparts; ++p) {
+    const int k = is_k_quant(parts[p].type);
+    const int64_t blocks = in / ggml_block_elements(parts[p].type);
+    job.parts[p] = (QJobPart){(const uint8_t *)parts[p].W, k ? q8k : q8, rows_for(parts[p].type),
+                              parts[p].first, parts[p].rows, claims,
+                              blocks * ggml_block_bytes(parts[p].type), k ? q8k_bytes : q8_bytes,
+                              blocks};
+    claims += (parts[p].rows + Q_ROWS_PER_CLAIM - 1) / Q_ROWS_PER_CLAIM;
+  }
+  run_blocks(qmatvec_block, &job, claims, threads);
   free(xq);
   return 0;
 }

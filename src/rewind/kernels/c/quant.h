@@ -15,10 +15,19 @@ enum {
 int64_t ggml_block_elements(int type);
 int64_t ggml_block_bytes(int type);
 
-/* y[r * ldy + o] = sum_k W[o][k] x[r][k] for o < out, r < m: W [out, in] in ggml `type` blocks,
-   x [m, in] float32, quantized per block as ggml does (Q8_0 / Q8_1 / Q8_K) before int8 dot
-   products. 0, or -1 for bad sizes, -2 when scratch cannot be allocated. */
-int qmatvec(const void *W, int type, const float *x, float *y, int64_t out, int64_t in,
-            int64_t ldy, int64_t m, int threads);
+/* Output rows [first, first + rows) of a matrix, stored as ggml `type` blocks [rows, in]. */
+typedef struct {
+  const void *W;
+  int type;
+  int64_t first, rows;
+} QPart;
+#define QMAX_PARTS 3
+
+/* y[r * ldy + part.first + o] = sum_k part.W[o][k] x[r][k] for every part, o < part.rows,
+   r < m; x [m, in] float32, quantized once per block as ggml does (Q8_0 / Q8_K) before the
+   int8 dot products, and all parts' rows spread over one pool job. 0, or -1 for bad sizes, -2
+   when scratch cannot be allocated. */
+int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int64_t ldy,
+                  int64_t in, int64_t m, int threads);
 
 #endif
