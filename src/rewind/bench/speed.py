@@ -50,6 +50,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also measure llama.cpp (llama-bench, built by "
                              "scripts/install-llama-cpp.sh) on the GGUF the model came from")
+    parser.add_argument("--also-exact", action="store_true",
+                        help="also measure Rewind with the model folder's weights (bf16 for the "
+                             "default) where the default reads the GGUF's blocks in place")
     parser.add_argument("--also-mlx-layers", action="store_true",
                         help="also measure Rewind with the layers in MLX (C kernels off)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -76,7 +79,8 @@ def prompt_tokens(count: int, vocab_size: int, seed: int = 0) -> list[int]:
 def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
                    cpu_head: str | None, native_form: str | None = None,
                    context: list[int] | None = None,
-                   perplexity_text: str | None = None) -> dict[str, Any]:
+                   perplexity_text: str | None = None,
+                   in_place: bool | None = None) -> dict[str, Any]:
     import mlx.core as mx
 
     from rewind.cache.kv import make_cache
@@ -85,7 +89,8 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     from rewind.engine.single import generate_tokens
     from rewind.models.loader import load_model
 
-    loaded = load_model(model_name, cpu_head=cpu_head, native_forward=native_form)
+    loaded = load_model(model_name, cpu_head=cpu_head, native_forward=native_form,
+                        in_place=in_place)
     model = loaded.model
     for _ in generate_tokens(model, tokens[:64], max_tokens=4):  # warm-up: kernels, allocator
         pass
@@ -103,6 +108,7 @@ def measure_rewind(model_name: str, tokens: list[int], gen_tokens: int,
     forward = native_forward(model)
     variant = [f"{cpu_head} head"] if cpu_head not in (None, "auto") else []
     variant += [f"{native_form} layers"] if native_form not in (None, "auto") else []
+    variant += ["folder weights"] if in_place is False else []
     result = {
         "path": "rewind" + (f" ({', '.join(variant)})" if variant else ""),
         "prefill_tps": len(tokens) / (first - start),
@@ -327,16 +333,19 @@ def run(args: argparse.Namespace) -> int:
     print(blas.status())
     perplexity_text = args.perplexity.read_text() if args.perplexity is not None else None
     measures = []  # one callable per row, run once per round
-    variants = [(args.cpu_head, args.native)]
+    variants: list[tuple[str | None, str | None, bool | None]] = [
+        (args.cpu_head, args.native, None)]
+    if args.also_exact:
+        variants.append((args.cpu_head, args.native, False))
     if args.also_int8_head:
-        variants.append(("int8", args.native))
+        variants.append(("int8", args.native, None))
     if args.also_int8:
-        variants.append(("int8", "int8"))
+        variants.append(("int8", "int8", None))
     if args.also_mlx_layers:
-        variants.append((args.cpu_head, "off"))
-    for cpu_head, native_form in variants:
-        measures.append(lambda h=cpu_head, n=native_form: measure_rewind(
-            args.model, tokens, args.gen_tokens, h, n, context, perplexity_text))
+        variants.append((args.cpu_head, "off", None))
+    for cpu_head, native_form, in_place in variants:
+        measures.append(lambda h=cpu_head, n=native_form, i=in_place: measure_rewind(
+            args.model, tokens, args.gen_tokens, h, n, context, perplexity_text, i))
     forms = [] if args.skip_mlx_lm else [False] + ([True] if args.mlx_lm_float32 else [])
     for float32 in forms:
         measures.append(lambda f=float32: measure_mlx_lm(path, tokens, args.gen_tokens, f, context))

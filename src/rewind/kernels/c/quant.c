@@ -182,58 +182,81 @@ static void quantize_q8k(const float *x, ActQ8K *out, int64_t blocks) {
   }
 }
 
-/* ---- products of one weight row with NR activation rows ---------------------------------- */
+/* ---- tiles of weight rows against activation rows ----------------------------------------- */
 
-/* Each weight block is unpacked once into int8 lanes and scales, then multiplied with the same
-   block of NR activation rows (a decode step has one; a prefill chunk takes them NR at a
-   time): unpacking and scale decoding cost once per NR rows. */
+#define NR_MAX 4 /* activation rows a tile takes */
+#ifdef __AVX512F__
+#define NW_TILE 4 /* weight rows a tile takes: 32 vector registers hold a 4 x 4 tile */
+#else
+#define NW_TILE 2 /* 16 registers: 2 x 4 */
+#endif
 
-/* The 32-value types: a block unpacks to 32 weights, a float scale and, for _1 types, a min.
-   Signed weights (q - 8, q - 16, Q8_0) multiply as |w| times a with w's sign. */
-typedef struct { __m256i q; float d, m; int is_signed; } Unpacked32;
+/* The 32-value types: a block unpacks to 32 weights, a float scale and, for the _1 types, a
+   min. Q4_0 / Q5_0 stay unsigned (q, not q - 8 or q - 16): their offset times the activations'
+   block sum goes into the int32 accumulator's first lane before the products, so no per-pair
+   sign fix is needed. Q8_0 is signed: |w| times a with w's sign. */
+typedef struct { __m256i q; float d, m; } Unpacked32;
 
 static inline Unpacked32 unpack_q8_0(const void *p) {
   const BlockQ8_0 *b = (const BlockQ8_0 *)p;
-  return (Unpacked32){load32(b->qs), fp16(b->d), 0.f, 1};
+  return (Unpacked32){load32(b->qs), fp16(b->d), 0.f};
 }
 static inline Unpacked32 unpack_q4_0(const void *p) {
   const BlockQ4_0 *b = (const BlockQ4_0 *)p;
-  return (Unpacked32){_mm256_sub_epi8(nibbles32(b->qs), _mm256_set1_epi8(8)), fp16(b->d), 0.f, 1};
+  return (Unpacked32){nibbles32(b->qs), fp16(b->d), 0.f};
 }
 static inline Unpacked32 unpack_q5_0(const void *p) {
   const BlockQ5_0 *b = (const BlockQ5_0 *)p;
-  /* q - 16 as int8: the nibble with 0xF0 or'd in where the fifth bit is clear. */
-  __m256i high = _mm256_andnot_si256(bits32(b->qh), _mm256_set1_epi8((char)0xF0));
-  return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), 0.f, 1};
+  __m256i high = _mm256_and_si256(bits32(b->qh), _mm256_set1_epi8(0x10));
+  return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), 0.f};
 }
 static inline Unpacked32 unpack_q4_1(const void *p) {
   const BlockQ4_1 *b = (const BlockQ4_1 *)p;
-  return (Unpacked32){nibbles32(b->qs), fp16(b->d), fp16(b->m), 0};
+  return (Unpacked32){nibbles32(b->qs), fp16(b->d), fp16(b->m)};
 }
 static inline Unpacked32 unpack_q5_1(const void *p) {
   const BlockQ5_1 *b = (const BlockQ5_1 *)p;
   __m256i high = _mm256_and_si256(bits32(b->qh), _mm256_set1_epi8(0x10));
-  return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), fp16(b->m), 0};
+  return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), fp16(b->m)};
 }
 
-#define DEFINE_ROWS32(NAME, BLOCK, NR)                                                          \
-  static void rows_##NAME##_##NR(const uint8_t *w, const uint8_t *a, int64_t stride,           \
-                                 int64_t blocks, float *out) {                                  \
-    __m256 acc[NR];                                                                             \
-    float mins[NR];                                                                             \
-    for (int r = 0; r < NR; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }               \
-    for (int64_t i = 0; i < blocks; ++i) {                                                      \
-      Unpacked32 u = unpack_##NAME(w + i * sizeof(BLOCK));                                      \
-      __m256i magnitude = u.is_signed ? _mm256_sign_epi8(u.q, u.q) : u.q;                       \
+/* A tile of NW weight rows (`wstride` bytes apart) against NR activation rows (`astride` apart):
+   each weight block is unpacked once for the NR rows, each activation block loaded once for
+   the NW rows. Every (weight row, activation row) pair runs the same operations in the same
+   order whatever the tile, so a row's result does not depend on the rows computed beside it
+   (a prefill chunk gives the answer its tokens get alone), nor on the build.
+   out[w * NR_MAX + r]. */
+#define DEFINE_TILE32(NAME, BLOCK, ZERO, SIGNED, HAS_MIN, NW, NR)                               \
+  static void tile_##NAME##_##NW##x##NR(const uint8_t *w, int64_t wstride, const uint8_t *a,   \
+                                        int64_t astride, int64_t blocks, float *out) {          \
+    __m256 acc[NW][NR];                                                                         \
+    float mins[NW][NR];                                                                         \
+    for (int i = 0; i < NW; ++i)                                                                \
+      for (int r = 0; r < NR; ++r) { acc[i][r] = _mm256_setzero_ps(); mins[i][r] = 0.f; }       \
+    for (int64_t b = 0; b < blocks; ++b) {                                                      \
+      Unpacked32 u[NW];                                                                         \
+      __m256i mag[NW];                                                                          \
+      __m256 dw[NW];                                                                            \
+      for (int i = 0; i < NW; ++i) {                                                            \
+        u[i] = unpack_##NAME(w + i * wstride + b * (int64_t)sizeof(BLOCK));                     \
+        mag[i] = SIGNED ? _mm256_sign_epi8(u[i].q, u[i].q) : u[i].q;                            \
+        dw[i] = _mm256_set1_ps(u[i].d);                                                         \
+      }                                                                                         \
       for (int r = 0; r < NR; ++r) {                                                            \
-        const ActQ8 *x = (const ActQ8 *)(a + r * stride) + i;                                   \
-        __m256i s = u.is_signed ? _mm256_sign_epi8(load32(x->qs), u.q) : load32(x->qs);         \
-        __m256i p = dot_u8s8(_mm256_setzero_si256(), magnitude, s);                             \
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(p), acc[r]);    \
-        if (!u.is_signed) mins[r] += u.m * x->d * (float)x->sum; /* _1 types only */        \
+        const ActQ8 *x = (const ActQ8 *)(a + r * astride) + b;                                  \
+        const __m256i xa = load32(x->qs);                                                       \
+        const __m256i init = _mm256_setr_epi32(-(ZERO) * x->sum, 0, 0, 0, 0, 0, 0, 0);         \
+        const __m256 dx = _mm256_set1_ps(x->d);                                                 \
+        for (int i = 0; i < NW; ++i) {                                                          \
+          __m256i p = SIGNED ? dot_u8s8(_mm256_setzero_si256(), mag[i], _mm256_sign_epi8(xa, u[i].q)) \
+                             : dot_u8s8(init, mag[i], xa);                                      \
+          acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(dw[i], dx), _mm256_cvtepi32_ps(p), acc[i][r]); \
+          if (HAS_MIN) mins[i][r] += u[i].m * x->d * (float)x->sum;                             \
+        }                                                                                       \
       }                                                                                         \
     }                                                                                           \
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + mins[r];                              \
+    for (int i = 0; i < NW; ++i)                                                                \
+      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum8(acc[i][r]) + mins[i][r];         \
   }
 
 /* The k-quants: a super-block unpacks to 8 x 32 weights (unsigned), an int16 scale for each
@@ -316,66 +339,77 @@ static inline void unpack_q6_k(const void *p, UnpackedK *u) {
   u->d = u->dmin = fp16(b->d);
 }
 
-#define DEFINE_ROWS_K(NAME, BLOCK, NR)                                                          \
-  static void rows_##NAME##_##NR(const uint8_t *w, const uint8_t *a, int64_t stride,           \
-                                 int64_t blocks, float *out) {                                  \
-    __m256 acc[NR], acc_min[NR];                                                                \
-    for (int r = 0; r < NR; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();                     \
-    for (int64_t i = 0; i < blocks; ++i) {                                                      \
-      UnpackedK u;                                                                              \
-      unpack_##NAME(w + i * sizeof(BLOCK), &u);                                                 \
+#define DEFINE_TILE_K(NAME, BLOCK, NW, NR)                                                      \
+  static void tile_##NAME##_##NW##x##NR(const uint8_t *w, int64_t wstride, const uint8_t *a,   \
+                                        int64_t astride, int64_t blocks, float *out) {          \
+    __m256 acc[NW][NR], acc_min[NW][NR];                                                        \
+    for (int i = 0; i < NW; ++i)                                                                \
+      for (int r = 0; r < NR; ++r) acc[i][r] = acc_min[i][r] = _mm256_setzero_ps();             \
+    for (int64_t b = 0; b < blocks; ++b) {                                                      \
+      UnpackedK u[NW];                                                                          \
+      for (int i = 0; i < NW; ++i) unpack_##NAME(w + i * wstride + b * (int64_t)sizeof(BLOCK), &u[i]); \
       for (int r = 0; r < NR; ++r) {                                                            \
-        const ActQ8K *x = (const ActQ8K *)(a + r * stride) + i;                                 \
-        __m256i sum = _mm256_setzero_si256();                                                   \
-        for (int k = 0; k < 8; ++k)                                                             \
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(                                        \
-              _mm256_maddubs_epi16(u.q[k], load32(x->qs + 32 * k)), u.scale[k]));               \
-        __m256i mins = _mm256_madd_epi16(load32(x->bsums), u.mins);                             \
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(sum), acc[r]);  \
-        acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.dmin * x->d), _mm256_cvtepi32_ps(mins),  \
-                                     acc_min[r]);                                               \
+        const ActQ8K *x = (const ActQ8K *)(a + r * astride) + b;                                \
+        __m256i sum[NW];                                                                        \
+        for (int i = 0; i < NW; ++i) sum[i] = _mm256_setzero_si256();                           \
+        for (int k = 0; k < 8; ++k) {                                                           \
+          const __m256i xa = load32(x->qs + 32 * k);                                            \
+          for (int i = 0; i < NW; ++i)                                                          \
+            sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(                                \
+                _mm256_maddubs_epi16(u[i].q[k], xa), u[i].scale[k]));                           \
+        }                                                                                       \
+        const __m256i bsums = load32(x->bsums);                                                 \
+        const __m256 dx = _mm256_set1_ps(x->d);                                                 \
+        for (int i = 0; i < NW; ++i) {                                                          \
+          __m256i mins = _mm256_madd_epi16(bsums, u[i].mins);                                   \
+          acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(u[i].d), dx),                \
+                                      _mm256_cvtepi32_ps(sum[i]), acc[i][r]);                   \
+          acc_min[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(u[i].dmin), dx),         \
+                                          _mm256_cvtepi32_ps(mins), acc_min[i][r]);             \
+        }                                                                                       \
       }                                                                                         \
     }                                                                                           \
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) - hsum8(acc_min[r]);                    \
+    for (int i = 0; i < NW; ++i)                                                                \
+      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum8(acc[i][r]) - hsum8(acc_min[i][r]); \
   }
 
-#define NR_MAX 4
-#define DEFINE_TYPE(KIND, NAME, BLOCK)                                                          \
-  DEFINE_ROWS##KIND(NAME, BLOCK, 1)                                                             \
-  DEFINE_ROWS##KIND(NAME, BLOCK, 2)                                                             \
-  DEFINE_ROWS##KIND(NAME, BLOCK, 3)                                                             \
-  DEFINE_ROWS##KIND(NAME, BLOCK, 4)                                                             \
-  static void rows_##NAME(const uint8_t *w, const uint8_t *a, int64_t stride, int64_t blocks,  \
-                          int nr, float *out) {                                                 \
-    switch (nr) {                                                                               \
-      case 1: rows_##NAME##_1(w, a, stride, blocks, out); break;                                \
-      case 2: rows_##NAME##_2(w, a, stride, blocks, out); break;                                \
-      case 3: rows_##NAME##_3(w, a, stride, blocks, out); break;                                \
-      default: rows_##NAME##_4(w, a, stride, blocks, out); break;                               \
-    }                                                                                           \
-  }
-DEFINE_TYPE(32, q8_0, BlockQ8_0)
-DEFINE_TYPE(32, q4_0, BlockQ4_0)
-DEFINE_TYPE(32, q5_0, BlockQ5_0)
-DEFINE_TYPE(32, q4_1, BlockQ4_1)
-DEFINE_TYPE(32, q5_1, BlockQ5_1)
-DEFINE_TYPE(_K, q4_k, BlockQ4_K)
-DEFINE_TYPE(_K, q5_k, BlockQ5_K)
-DEFINE_TYPE(_K, q6_k, BlockQ6_K)
+typedef void (*TileFn)(const uint8_t *w, int64_t wstride, const uint8_t *a, int64_t astride,
+                       int64_t blocks, float *out);
 
-typedef void (*RowsFn)(const uint8_t *w, const uint8_t *a, int64_t stride, int64_t blocks, int nr,
-                       float *out);
+/* Every tile shape of a type: NW_TILE or 1 weight rows against 1 to NR_MAX activation rows. */
+#define DEFINE_TILES(DEFINE, NAME, ...)                                                         \
+  DEFINE(NAME, __VA_ARGS__, 1, 1) DEFINE(NAME, __VA_ARGS__, 1, 2)                               \
+  DEFINE(NAME, __VA_ARGS__, 1, 3) DEFINE(NAME, __VA_ARGS__, 1, 4)                               \
+  EXPANDED(DEFINE, NAME, __VA_ARGS__, NW_TILE, 1) EXPANDED(DEFINE, NAME, __VA_ARGS__, NW_TILE, 2) \
+  EXPANDED(DEFINE, NAME, __VA_ARGS__, NW_TILE, 3) EXPANDED(DEFINE, NAME, __VA_ARGS__, NW_TILE, 4) \
+  static const TileFn tiles_##NAME[2][NR_MAX] = {                                               \
+      {tile_##NAME##_1x1, tile_##NAME##_1x2, tile_##NAME##_1x3, tile_##NAME##_1x4},             \
+      {TILE_NAME(NAME, 1), TILE_NAME(NAME, 2), TILE_NAME(NAME, 3), TILE_NAME(NAME, 4)}};
+#define EXPANDED(F, ...) F(__VA_ARGS__) /* NW_TILE as its number before it is pasted */
+#define TILE_NAME_(NAME, NW, NR) tile_##NAME##_##NW##x##NR
+#define TILE_NAME__(NAME, NW, NR) TILE_NAME_(NAME, NW, NR)
+#define TILE_NAME(NAME, NR) TILE_NAME__(NAME, NW_TILE, NR)
 
-static RowsFn rows_for(int type) {
+/* NAME, block, offset of the unsigned values, signed, has a min */
+DEFINE_TILES(DEFINE_TILE32, q8_0, BlockQ8_0, 0, 1, 0)
+DEFINE_TILES(DEFINE_TILE32, q4_0, BlockQ4_0, 8, 0, 0)
+DEFINE_TILES(DEFINE_TILE32, q5_0, BlockQ5_0, 16, 0, 0)
+DEFINE_TILES(DEFINE_TILE32, q4_1, BlockQ4_1, 0, 0, 1)
+DEFINE_TILES(DEFINE_TILE32, q5_1, BlockQ5_1, 0, 0, 1)
+DEFINE_TILES(DEFINE_TILE_K, q4_k, BlockQ4_K)
+DEFINE_TILES(DEFINE_TILE_K, q5_k, BlockQ5_K)
+DEFINE_TILES(DEFINE_TILE_K, q6_k, BlockQ6_K)
+
+static const TileFn (*tiles_for(int type))[NR_MAX] {
   switch (type) {
-    case GGML_Q4_0: return rows_q4_0;
-    case GGML_Q4_1: return rows_q4_1;
-    case GGML_Q5_0: return rows_q5_0;
-    case GGML_Q5_1: return rows_q5_1;
-    case GGML_Q8_0: return rows_q8_0;
-    case GGML_Q4_K: return rows_q4_k;
-    case GGML_Q5_K: return rows_q5_k;
-    case GGML_Q6_K: return rows_q6_k;
+    case GGML_Q4_0: return tiles_q4_0;
+    case GGML_Q4_1: return tiles_q4_1;
+    case GGML_Q5_0: return tiles_q5_0;
+    case GGML_Q5_1: return tiles_q5_1;
+    case GGML_Q8_0: return tiles_q8_0;
+    case GGML_Q4_K: return tiles_q4_k;
+    case GGML_Q5_K: return tiles_q5_k;
+    case GGML_Q6_K: return tiles_q6_k;
     default: return NULL;
   }
 }
@@ -404,7 +438,7 @@ static void quantize_block(const void *arg, int64_t claim) {
 
 typedef struct {
   const uint8_t *W, *xq; /* the part's weights; its kind of activation rows */
-  RowsFn rows;
+  const TileFn (*tiles)[NR_MAX];
   int64_t first, count, claims_before; /* output rows [first, first + count); claims of earlier parts */
   int64_t row_bytes, xq_row_bytes, blocks;
 } QJobPart;
@@ -428,13 +462,18 @@ static void qmatvec_block(const void *arg, int64_t claim) {
   const int64_t local = claim - part->claims_before;
   int64_t end = (local + 1) * Q_ROWS_PER_CLAIM;
   if (end > part->count) end = part->count;
-  float results[NR_MAX];
+  float results[NW_TILE * NR_MAX];
   for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
-    int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
-    for (int64_t o = local * Q_ROWS_PER_CLAIM; o < end; ++o) {
-      part->rows(part->W + o * part->row_bytes, part->xq + r0 * part->xq_row_bytes,
-                 part->xq_row_bytes, part->blocks, nr, results);
-      for (int r = 0; r < nr; ++r) j->y[(r0 + r) * j->ldy + part->first + o] = results[r];
+    const int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
+    const uint8_t *x = part->xq + r0 * part->xq_row_bytes;
+    for (int64_t o = local * Q_ROWS_PER_CLAIM; o < end;) {
+      const int nw = end - o >= NW_TILE ? NW_TILE : 1;
+      part->tiles[nw > 1][nr - 1](part->W + o * part->row_bytes, part->row_bytes, x,
+                                  part->xq_row_bytes, part->blocks, results);
+      for (int i = 0; i < nw; ++i)
+        for (int r = 0; r < nr; ++r)
+          j->y[(r0 + r) * j->ldy + part->first + o + i] = results[i * NR_MAX + r];
+      o += nw;
     }
   }
 }
@@ -459,7 +498,7 @@ int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int6
   int kinds[2] = {0, 0}; /* Q8 (32-value types), Q8_K (k-quants) */
   for (int p = 0; p < nparts; ++p) {
     const int64_t per_block = ggml_block_elements(parts[p].type);
-    if (!per_block || !rows_for(parts[p].type) || in % per_block || parts[p].rows < 1 ||
+    if (!per_block || !tiles_for(parts[p].type) || in % per_block || parts[p].rows < 1 ||
         parts[p].first < 0 || parts[p].first + parts[p].rows > ldy)
       return -1;
     kinds[is_k_quant(parts[p].type)] = 1;
@@ -476,7 +515,7 @@ int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int6
   for (int p = 0; p < nparts; ++p) {
     const int k = is_k_quant(parts[p].type);
     const int64_t blocks = in / ggml_block_elements(parts[p].type);
-    job.parts[p] = (QJobPart){(const uint8_t *)parts[p].W, k ? q8k : q8, rows_for(parts[p].type),
+    job.parts[p] = (QJobPart){(const uint8_t *)parts[p].W, k ? q8k : q8, tiles_for(parts[p].type),
                               parts[p].first, parts[p].rows, claims,
                               blocks * ggml_block_bytes(parts[p].type), k ? q8k_bytes : q8_bytes,
                               blocks};
