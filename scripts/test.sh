@@ -30,7 +30,7 @@ if [ "$only_flags" = "1" ] && [ -z "${REWIND_NO_AVX512:-}" ] \
     LD_PRELOAD="$preload" .venv/bin/python -m pytest "$@" \
     tests/test_kernel_boundary.py tests/test_cpu_attention.py tests/test_cpu_gated_delta.py \
     tests/test_native_linear.py tests/test_native_forward.py tests/test_mixed_steps.py \
-    tests/test_native_stress.py
+    tests/test_native_stress.py tests/test_quant_kernels.py tests/test_gguf_in_place.py
   rc=$?
   set -e
 fi
