@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own `llama-server` and `llama-bench` from source into .bench-venvs/llama-cpp/,
-# the baseline the side-by-side benchmarks compare Rewind with. Users run llama-server itself, not
-# a Python wrapper, so that is what the bench runs (issue 12).
+# Build llama.cpp's own `llama-server`, `llama-bench` and `llama-perplexity` from source into
+# .bench-venvs/llama-cpp/, the baseline the side-by-side benchmarks compare Rewind with. Users run
+# llama-server itself, not a Python wrapper, so that is what the bench runs (issue 12);
+# `rewind bench perplexity --llama-cpp` compares Rewind's perplexity with llama-perplexity's on
+# the same GGUF and text (issue 25).
 #
 # The source is the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI: PyPI is the one
 # source this project's machines can always reach, and the sdist pins one llama.cpp commit, the
@@ -10,8 +12,9 @@
 #
 # GGML_NATIVE=ON first: the binaries run only on the machine that built them, so -march=native
 # gives llama.cpp every SIMD extension this CPU has; a fair baseline. About 12 minutes on 2 cores.
-# Then both binaries are smoke-run here (src/rewind/bench/llama_cpp_build.py: versions, devices,
-# and with the default model's GGUF a short llama-bench and one llama-server completion). If one
+# Then the binaries are smoke-run here (src/rewind/bench/llama_cpp_build.py: versions, devices,
+# and with the default model's GGUF a short llama-bench and one llama-server completion;
+# llama-perplexity shares their libraries and kernels, and prints its version). If one
 # dies with a signal, the build is redone with GGML_NATIVE=OFF and explicit flags for what
 # /proc/cpuinfo lists, AMX off (issue 23: on a Xeon whose kernel does not grant AMX state, the
 # native build died at start), and smoke-run again. Where the CPU lists AMX and the kernel
@@ -20,7 +23,9 @@
 # run, and the bench takes the binaries as built only beside it.
 #
 # Idempotent: an existing build is smoke-run, and left alone only when it passes; one that fails
-# is removed and rebuilt. Never run in CI. LLAMA_CPP_SMOKE_MODEL=GGUF picks the smoke run's model
+# is removed and rebuilt. An install from before this script built llama-perplexity gets it built
+# in its existing build tree (cmake --build --target llama-perplexity: its own two sources and a
+# link, seconds), then the smoke run; where that tree cannot build it, everything is rebuilt. Never run in CI. LLAMA_CPP_SMOKE_MODEL=GGUF picks the smoke run's model
 # (empty: none, versions and devices only).
 set -euo pipefail
 
@@ -66,29 +71,85 @@ smoke() {
     fi
 }
 
-binaries=(llama-server llama-bench)
-if [[ -x "$prefix/bin/llama-server" && -x "$prefix/bin/llama-bench" && -f "$prefix/VERSION" ]]; then
-    echo "Smoke-running the llama-server and llama-bench already in $prefix/bin..."
-    smoke "$prefix/bin"
-    if [[ "$smoke_status" == 0 ]]; then
-        if [[ ! -f "$prefix/BUILD_FLAGS" ]]; then
-            # Built before the flags were recorded: this script built GGML_NATIVE=ON only.
-            {
-                echo "flags: -DGGML_NATIVE=ON"
-                echo "why: the default, built before this script recorded its flags;" \
-                     "it passed the smoke run"
-                echo "cpu: $(build_py cpu)"
-                echo "smoke: $smoke_report"
-            } > "$prefix/BUILD_FLAGS"
+binaries=(llama-server llama-bench llama-perplexity)
+build_dir="$prefix/src/build"
+jobs="$(nproc)"
+
+# build_targets TARGETS...: builds them in the configured tree in $build_dir (cmake's own
+# "[ NN%]" lines are the progress report); fails if one was not built.
+build_targets() {
+    cmake --build "$build_dir" --config Release -j "$jobs" --target "$@" 2>&1 \
+        | grep --line-buffered -E "^\[ *[0-9]+%\]|error|Error" || true
+    local binary
+    for binary in "$@"; do
+        if [[ ! -x "$build_dir/bin/$binary" ]]; then
+            echo "$binary was not built; see the output above" >&2
+            return 1
         fi
-        echo "llama-server and llama-bench already built in $prefix/bin" \
-             "($(tr '\n' ' ' < "$prefix/VERSION")); $(build_py summary "$prefix/BUILD_FLAGS")"
-        exit 0
+    done
+}
+
+# add_missing TARGETS...: builds binaries an existing install lacks in the tree that built it,
+# with the flags it was configured with, and copies them into bin/. Fails where there is no such
+# tree: none, or one copied from elsewhere (its Makefiles build in the folder it was configured
+# in, not in this one).
+add_missing() {
+    local cache="$build_dir/CMakeCache.txt" configured
+    if [[ ! -f "$cache" ]]; then
+        echo "no configured build tree in $build_dir" >&2
+        return 1
     fi
-    echo "The existing build fails its smoke run: $smoke_report" >&2
+    configured="$(sed -n 's/^CMAKE_CACHEFILE_DIR:INTERNAL=//p' "$cache")"
+    if [[ -z "$configured" || "$(cd "$configured" 2>/dev/null && pwd -P)" != \
+          "$(cd "$build_dir" && pwd -P)" ]]; then
+        echo "the build tree in $build_dir was configured in $configured" >&2
+        return 1
+    fi
+    echo "Building $* in the existing build tree ($build_dir)..."
+    build_targets "$@" || return 1
+    local binary
+    for binary in "$@"; do
+        cp "$build_dir/bin/$binary" "$prefix/bin/$binary"
+    done
+}
+
+if [[ -x "$prefix/bin/llama-server" && -x "$prefix/bin/llama-bench" && -f "$prefix/VERSION" ]]; then
+    missing=()
+    for binary in "${binaries[@]}"; do
+        [[ -x "$prefix/bin/$binary" ]] || missing+=("$binary")
+    done
+    if (( ${#missing[@]} )) && ! add_missing "${missing[@]}"; then
+        echo "Could not build ${missing[*]} beside the existing build." >&2
+    else
+        echo "Smoke-running the llama.cpp binaries already in $prefix/bin..."
+        smoke "$prefix/bin"
+        if [[ "$smoke_status" == 0 ]]; then
+            if [[ ! -f "$prefix/BUILD_FLAGS" ]]; then
+                # Built before the flags were recorded: this script built GGML_NATIVE=ON only.
+                {
+                    echo "flags: -DGGML_NATIVE=ON"
+                    echo "why: the default, built before this script recorded its flags;" \
+                         "it passed the smoke run"
+                    echo "cpu: $(build_py cpu)"
+                    echo "smoke: $smoke_report"
+                } > "$prefix/BUILD_FLAGS"
+            elif (( ${#missing[@]} )); then
+                # The recorded smoke run now names what was added.
+                { grep -v '^smoke:' "$prefix/BUILD_FLAGS"; echo "smoke: $smoke_report"; } \
+                    > "$prefix/BUILD_FLAGS.new"
+                mv "$prefix/BUILD_FLAGS.new" "$prefix/BUILD_FLAGS"
+            fi
+            echo "${binaries[*]} already built in $prefix/bin" \
+                 "($(tr '\n' ' ' < "$prefix/VERSION")); $(build_py summary "$prefix/BUILD_FLAGS")"
+            exit 0
+        fi
+        echo "The existing build fails its smoke run: $smoke_report" >&2
+    fi
     echo "Removing it and building again." >&2
-    rm -f "$prefix/bin/llama-server" "$prefix/bin/llama-bench" "$prefix/VERSION" \
-          "$prefix/BUILD_FLAGS"
+    for binary in "${binaries[@]}"; do
+        rm -f "$prefix/bin/$binary"
+    done
+    rm -f "$prefix/VERSION" "$prefix/BUILD_FLAGS"
 fi
 rm -f "$prefix/BUILD_FLAGS"  # written again only once a build passed its smoke run
 
@@ -118,9 +179,7 @@ if [[ ! -f "$source_dir/CMakeLists.txt" ]]; then
     exit 1
 fi
 
-build_dir="$prefix/src/build"
-jobs="$(nproc)"
-# build FLAGS...: configures a fresh build tree with these CPU flags and builds both binaries.
+# build FLAGS...: configures a fresh build tree with these CPU flags and builds the binaries.
 build() {
     echo "[3/4] Configuring with CMake (Release, $*, server on, curl off)..."
     rm -rf "$build_dir"
@@ -128,18 +187,9 @@ build() {
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF "$@" \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         > "$prefix/src/cmake-configure.log"
-    echo "[4/4] Building llama-server and llama-bench with $jobs jobs" \
-         "(about 12 minutes on 2 cores)..."
-    # Static libraries so the two binaries can be copied into bin/ with nothing else beside them.
-    # cmake's own "[ NN%]" lines are the progress report.
-    cmake --build "$build_dir" --config Release -j "$jobs" --target "${binaries[@]}" 2>&1 \
-        | grep --line-buffered -E "^\[ *[0-9]+%\]|error|Error" || true
-    for binary in "${binaries[@]}"; do
-        if [[ ! -x "$build_dir/bin/$binary" ]]; then
-            echo "$binary was not built; see the output above" >&2
-            exit 1
-        fi
-    done
+    echo "[4/4] Building ${binaries[*]} with $jobs jobs (about 12 minutes on 2 cores)..."
+    # Static libraries so the binaries can be copied into bin/ with nothing else beside them.
+    build_targets "${binaries[@]}" || exit 1
 }
 
 native_flags=(-DGGML_NATIVE=ON)
@@ -153,7 +203,7 @@ else
     echo "Not building GGML_NATIVE=ON: ${plan#explicit: }"
 fi
 build "${flags[@]}"
-echo "Smoke-running the new llama-server and llama-bench..."
+echo "Smoke-running the new ${binaries[*]}..."
 smoke "$build_dir/bin"
 if [[ "$smoke_status" == 3 && "${flags[0]}" == -DGGML_NATIVE=ON ]]; then
     echo "The GGML_NATIVE=ON build fails its smoke run: $smoke_report" >&2
@@ -161,7 +211,7 @@ if [[ "$smoke_status" == 3 && "${flags[0]}" == -DGGML_NATIVE=ON ]]; then
     echo "Building again with GGML_NATIVE=OFF and explicit flags, AMX off: ${flags[*]}" >&2
     why="the GGML_NATIVE=ON build died at its smoke run: ${smoke_report%%$'\n'*}"
     build "${flags[@]}"
-    echo "Smoke-running the new llama-server and llama-bench..."
+    echo "Smoke-running the new ${binaries[*]}..."
     smoke "$build_dir/bin"
 fi
 if [[ "$smoke_status" != 0 ]]; then
@@ -192,5 +242,5 @@ done
     echo "smoke: $smoke_report"
 } > "$prefix/BUILD_FLAGS"
 elapsed=$(( $(date +%s) - started ))
-echo "Built llama-server and llama-bench in $prefix/bin in ${elapsed}s" \
+echo "Built ${binaries[*]} in $prefix/bin in ${elapsed}s" \
      "($(tr '\n' ' ' < "$prefix/VERSION")); $(build_py summary "$prefix/BUILD_FLAGS")"

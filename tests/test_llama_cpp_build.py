@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -137,9 +138,14 @@ def test_the_reports_name_the_flags_and_why() -> None:
 
 # --- smoke-run or fall back ----------------------------------------------------------------------
 def fake_binaries(folder: Path, server: str = "echo 'version: 1 (fake)'",
-                  bench: str = "echo 'version: 1 (fake)'") -> Path:
+                  bench: str = "echo 'version: 1 (fake)'",
+                  perplexity: str | None = "echo 'version: 1 (fake)'") -> Path:
+    """Stand-ins for the three binaries; perplexity=None leaves llama-perplexity out (an install
+    from before the script built it)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, body in (("llama-server", server), ("llama-bench", bench)):
+    bodies = [("llama-server", server), ("llama-bench", bench)]
+    bodies += [] if perplexity is None else [("llama-perplexity", perplexity)]
+    for name, body in bodies:
         path = folder / name
         path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -155,7 +161,7 @@ def test_binaries_that_run_pass_the_smoke_run(tmp_path) -> None:
     passed, failure = build.smoke(fake_binaries(tmp_path / "bin"))
     assert failure is None
     assert passed == ["llama-server --version", "llama-bench --version",
-                      "llama-bench --list-devices"]
+                      "llama-perplexity --version", "llama-bench --list-devices"]
     done = run_helper("smoke", str(tmp_path / "bin"))
     assert done.returncode == 0 and done.stdout.startswith("passed: llama-server --version")
 
@@ -171,6 +177,15 @@ def test_a_binary_that_dies_of_a_signal_is_named_with_it(tmp_path, name, number)
     done = run_helper("smoke", str(folder))
     assert done.returncode == 3, done  # 3: the install script rebuilds without AMX
     assert f"died with signal {int(number)} (SIG{name})" in done.stdout
+
+
+def test_a_missing_binary_is_a_failure_not_a_signal(tmp_path) -> None:
+    folder = fake_binaries(tmp_path / "bin", perplexity=None)
+    passed, failure = build.smoke(folder)
+    assert passed == ["llama-server --version", "llama-bench --version"]
+    assert failure is not None and failure.returncode == 127 and failure.signal is None
+    assert failure.describe().startswith("`llama-perplexity --version` exited with code 127")
+    assert run_helper("smoke", str(folder)).returncode == 1
 
 
 def test_a_shell_reporting_128_plus_the_signal_counts_as_dying_of_it(tmp_path) -> None:
@@ -256,7 +271,7 @@ option(FAKE_DIE_ALWAYS "" OFF)
 # As ggml/src/ggml-cpu/CMakeLists.txt says what it compiles its CPU backend with.
 message(STATUS "Adding CPU backend variant ggml-cpu: native=${GGML_NATIVE} avx2=${GGML_AVX2} \
 amx=${GGML_AMX_TILE}")
-foreach(binary llama-server llama-bench)
+foreach(binary llama-server llama-bench llama-perplexity)
     add_executable(${binary} fake.c)
     set_target_properties(${binary} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
     if(GGML_NATIVE OR FAKE_DIE_ALWAYS)
@@ -321,12 +336,12 @@ def test_a_native_build_that_dies_is_rebuilt_with_explicit_flags_and_they_are_re
     assert recorded["cpu"] == "Stand-in CPU"
     assert recorded["compiler"] == "native=OFF avx2=ON amx=OFF"
     assert recorded["smoke"] == ("passed: llama-server --version, llama-bench --version, "
-                                 "llama-bench --list-devices")
+                                 "llama-perplexity --version, llama-bench --list-devices")
     # What CMake really built the installed binaries with, and that they run.
     cache = cmake_cache(tmp_path)
     assert cache["GGML_NATIVE"] == "OFF" and cache["GGML_AVX2"] == "ON"
     assert cache["GGML_AVX512"] == cache["GGML_AMX_TILE"] == cache["GGML_AMX_INT8"] == "OFF"
-    for name in ("llama-server", "llama-bench"):
+    for name in ("llama-server", "llama-bench", "llama-perplexity"):
         assert subprocess.run([prefix / "bin" / name, "--version"]).returncode == 0
     assert "version: 1 (fake)" in (prefix / "VERSION").read_text()
     assert "GGML_NATIVE=OFF, SSE42 AVX AVX2 BMI2 FMA F16C on" in done.stdout.splitlines()[-1]
@@ -354,6 +369,47 @@ def test_an_existing_build_is_kept_if_it_runs_and_rebuilt_if_it_dies(tmp_path) -
     assert "[3/4]" in rebuilt.stdout and "already built" not in rebuilt.stdout
     assert subprocess.run([bench, "--version"], capture_output=True).returncode == 0
     assert (prefix / "BUILD_FLAGS").is_file()
+
+
+def test_an_install_without_llama_perplexity_gets_it_built_in_its_build_tree(tmp_path) -> None:
+    """Installs from before the script built llama-perplexity: it is built in the tree that built
+    the others (cmake --build --target, the same flags), smoke-run and recorded; the others stay
+    as they were."""
+    source = fake_llama_cpp(tmp_path / "llama.cpp")
+    assert install(tmp_path, source).returncode == 0
+    prefix, build_bin = tmp_path / "prefix", tmp_path / "prefix" / "src" / "build" / "bin"
+    server = prefix / "bin" / "llama-server"
+    built = server.stat().st_mtime_ns
+    for folder in (prefix / "bin", build_bin):
+        (folder / "llama-perplexity").unlink()
+    flags = build.parse_build_flags((prefix / "BUILD_FLAGS").read_text())["flags"]
+
+    again = install(tmp_path, source)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "Building llama-perplexity in the existing build tree" in again.stdout
+    assert "already built" in again.stdout and "[3/4]" not in again.stdout
+    assert subprocess.run([prefix / "bin" / "llama-perplexity", "--version"]).returncode == 0
+    assert server.stat().st_mtime_ns == built
+    recorded = build.parse_build_flags((prefix / "BUILD_FLAGS").read_text())
+    assert recorded["flags"] == flags
+    assert "llama-perplexity --version" in recorded["smoke"]
+
+
+def test_an_install_whose_build_tree_was_configured_elsewhere_is_rebuilt(tmp_path) -> None:
+    """A build tree copied from another folder builds there, not here: the missing binary is not
+    taken from it, everything is built again."""
+    source = fake_llama_cpp(tmp_path / "llama.cpp")
+    assert install(tmp_path, source).returncode == 0
+    prefix = tmp_path / "prefix"
+    moved = tmp_path / "moved"
+    shutil.copytree(prefix, moved / "prefix", symlinks=True)
+    shutil.rmtree(prefix)
+    (moved / "prefix" / "bin" / "llama-perplexity").unlink()
+    done = install(moved, source)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "was configured in" in done.stderr and "[3/4]" in done.stdout
+    assert subprocess.run([moved / "prefix" / "bin" / "llama-perplexity",
+                           "--version"]).returncode == 0
 
 
 def test_a_build_that_dies_either_way_installs_nothing(tmp_path) -> None:

@@ -1,7 +1,8 @@
 """How scripts/install-llama-cpp.sh builds llama.cpp for this CPU, and how it proves the build runs.
 
 The script configures llama.cpp with GGML_NATIVE=ON (-march=native: every extension this CPU
-has), builds llama-server and llama-bench, and smoke-runs them here before it calls them built.
+has), builds llama-server, llama-bench and llama-perplexity, and smoke-runs them here before it
+calls them built.
 A native build can die at its first instruction the kernel refuses: on a Sapphire Rapids Xeon
 whose kernel does not grant AMX register state, -march=native switched AMX on and both binaries
 died at start (a general-protection fault, SIGSEGV; issue 23). When a binary dies with a signal
@@ -212,6 +213,8 @@ def _run(argv: list[str], timeout: float) -> SmokeFailure | None:
         output = timed_out.stdout or b""
         text = output.decode(errors="replace") if isinstance(output, bytes) else output
         return SmokeFailure(_shown(argv), None, text)
+    except OSError as error:  # missing, or not executable: as a shell says it (127)
+        return SmokeFailure(_shown(argv), 127, str(error))
     if done.returncode != 0:
         return SmokeFailure(_shown(argv), done.returncode, done.stdout + done.stderr)
     return None
@@ -280,16 +283,19 @@ def _server_answers(bin_dir: Path, model: Path, timeout: float) -> SmokeFailure 
 
 def smoke(bin_dir: Path, model: Path | None = None,
           timeout: float = SMOKE_TIMEOUT_S) -> tuple[list[str], SmokeFailure | None]:
-    """Runs llama-server and llama-bench from `bin_dir` as far as they can run here: each prints
-    its version and build (the binary loads, its static initialisers run), llama-bench lists the
-    devices (ggml's CPU backend starts: feature detection, its tables); with a GGUF, llama-bench
-    measures a short prefill and decode and llama-server answers one completion (model loading,
-    weight repacking, every matmul kernel the build chose). Without a model nothing runs a
+    """Runs llama-server, llama-bench and llama-perplexity from `bin_dir` as far as they can run
+    here: each prints its version and build (the binary loads, its static initialisers run),
+    llama-bench lists the devices (ggml's CPU backend starts: feature detection, its tables);
+    with a GGUF, llama-bench measures a short prefill and decode and llama-server answers one
+    completion (model loading, weight repacking, every matmul kernel the build chose; the
+    libraries and kernels llama-perplexity is linked with too). Without a model nothing runs a
     matmul, so the SIMD kernels are not exercised; the reports say which smoke run passed.
 
     Returns what passed and the first failure (None: all passed)."""
     server, bench = str(bin_dir / "llama-server"), str(bin_dir / "llama-bench")
-    commands = [[server, "--version"], [bench, "--version"], [bench, "--list-devices"]]
+    perplexity = str(bin_dir / "llama-perplexity")
+    commands = [[server, "--version"], [bench, "--version"], [perplexity, "--version"],
+                [bench, "--list-devices"]]
     if model is not None:
         commands.append([bench, "-m", str(model), "-p", str(SMOKE_PROMPT_TOKENS),
                          "-n", str(SMOKE_GEN_TOKENS), "-r", "1"])
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("plan", help="native, or `explicit: <why>` for this CPU and kernel")
     commands.add_parser("explicit-flags", help="the CMake -D arguments for this CPU, AMX off")
     commands.add_parser("cpu", help="this CPU's model name")
-    smoke_parser = commands.add_parser("smoke", help="smoke-run llama-server and llama-bench")
+    smoke_parser = commands.add_parser("smoke", help="smoke-run llama.cpp's binaries")
     smoke_parser.add_argument("bin_dir", type=Path)
     smoke_parser.add_argument("--model", type=Path, default=None)
     summary_parser = commands.add_parser("summary", help="a BUILD_FLAGS file as reports name it")

@@ -32,7 +32,8 @@ from rewind.bench.harness import LOOPBACK, ServerProcess
 from rewind.bench.machine import display_path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-# Where scripts/install-llama-cpp.sh puts llama-server and llama-bench (bin/), VERSION, and
+# Where scripts/install-llama-cpp.sh puts llama-server, llama-bench and llama-perplexity (bin/),
+# VERSION, and
 # BUILD_FLAGS: the CPU flags they were built with and why, written once they passed a smoke run.
 LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
                                        REPO_ROOT / ".bench-venvs" / "llama-cpp"))
@@ -164,16 +165,21 @@ def rewind_serve_available() -> bool:
     return True
 
 
+# What the install script builds. The side-by-side benches need the first two; an install made
+# before it built llama-perplexity gets it built in its build tree when the script runs again.
+LLAMA_CPP_BINARIES = ("llama-server", "llama-bench", "llama-perplexity")
+
+
 def llama_cpp_binary(name: str) -> Path:
-    """`llama-server` or `llama-bench`, as scripts/install-llama-cpp.sh built it."""
+    """`llama-server`, `llama-bench` or `llama-perplexity`, as scripts/install-llama-cpp.sh built
+    it."""
     return LLAMA_CPP_PREFIX / "bin" / name
 
 
-def llama_cpp_installed() -> bool:
-    """Both binaries built, and smoke-run here by the install script (BUILD_FLAGS is written only
+def llama_cpp_installed(names: tuple[str, ...] = LLAMA_CPP_BINARIES[:2]) -> bool:
+    """These binaries built, and smoke-run here by the install script (BUILD_FLAGS is written only
     then: a build that dies on this CPU is not taken for one that runs)."""
-    return (all(os.access(llama_cpp_binary(name), os.X_OK)
-                for name in ("llama-server", "llama-bench"))
+    return (all(os.access(llama_cpp_binary(name), os.X_OK) for name in names)
             and (LLAMA_CPP_PREFIX / "BUILD_FLAGS").is_file())
 
 
@@ -201,16 +207,17 @@ def llama_cpp_version() -> str | None:
     return f"{text}; built with {flags}" if flags else text
 
 
-def ensure_llama_cpp(install: bool) -> None:
-    """Builds llama-server and llama-bench on demand (about 12 minutes), saying so first."""
-    if llama_cpp_installed():
+def ensure_llama_cpp(install: bool, names: tuple[str, ...] = LLAMA_CPP_BINARIES[:2]) -> None:
+    """Builds llama.cpp's binaries on demand (about 12 minutes; seconds for llama-perplexity
+    beside an existing build), saying so first."""
+    if llama_cpp_installed(names):
         return
     if not install:
-        raise ServerUnavailable(f"llama-server is not built (or not smoke-run) in "
+        raise ServerUnavailable(f"{' and '.join(names)} not built (or not smoke-run) in "
                                 f"{display_path(LLAMA_CPP_PREFIX)}; "
                                 f"run `bash {display_path(INSTALL_LLAMA_CPP)}` or pass "
                                 "--install-llama-cpp")
-    print(f"llama.cpp: building llama-server and llama-bench into {LLAMA_CPP_PREFIX} "
+    print(f"llama.cpp: building {', '.join(LLAMA_CPP_BINARIES)} into {LLAMA_CPP_PREFIX} "
           "(about 12 minutes on 2 cores, once)...", flush=True)
     subprocess.run(["bash", str(INSTALL_LLAMA_CPP)], check=True)
 

@@ -17,6 +17,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "attention": ("rewind.bench.attention_bench", "CPU attention: MLX vs Rewind's C kernel"),
     "gated-delta": ("rewind.bench.gated_delta_bench", "Qwen 3.5's gated delta rule on the CPU: mlx-lm vs Rewind's C kernel"),
     "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),
+    "perplexity": ("rewind.bench.perplexity", "perplexity of the default GGUF per CPU weight form, vs llama.cpp's llama-perplexity"),
     "form-speed": ("rewind.bench.form_speed", "speed per stored form on this backend (random weights, default shape)"),
     "decode-scaling": ("rewind.bench.decode_scaling", "decode tok/s at 1/8/32 streams: engine, HTTP, mlx-lm BatchGenerator, HBM bound (random 1B-class models)"),
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
