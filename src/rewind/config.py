@@ -148,7 +148,7 @@ class EngineConfig:
             (self.mixed_prefill_tokens is None or self.mixed_prefill_tokens >= 1,
              f"the mixed-step token budget must be at least 1, not {self.mixed_prefill_tokens}"),
             # That it divides the block size is checked where the block size is known (the
-            # engine's prompt cache may have its own): rewind.engine.runner.check_chunk_tokens.
+            # engine's prompt cache may have its own): rewind.cache.checkpoints.check_chunk_tokens.
             (self.chunk_tokens is None or self.chunk_tokens >= 1,
              f"chunk tokens must be at least 1, not {self.chunk_tokens}"),
             (self.max_kv_size is None or self.max_kv_size >= 1,

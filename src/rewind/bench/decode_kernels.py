@@ -192,7 +192,7 @@ def attention_cases(loaded: Any, prompt_tokens: int,
         tokens = base[:prompt_tokens]
         cache = runner.new_cache()
         runner.prefill(cache, tokens, logits=False,
-                       on_chunk=lambda end, c: store.checkpoint(tokens[:end], c))
+                       on_checkpoint=lambda end, c: store.checkpoint(tokens[:end], c))
         got = store.restore(tokens)
         if got.tokens == 0:
             raise RuntimeError("the prompt cache restored nothing")

@@ -8,7 +8,8 @@ reasoning is dropped exactly as the template says) and reuses what is already co
 2. otherwise rewind.cache.PromptCache, which restores the longest checkpointed prefix even for
    sliding-window and linear-attention layers that cannot be trimmed;
 3. otherwise (--no-prompt-cache) a fresh cache.
-Both paths checkpoint the prompt into the PromptCache every 256 tokens and at the prompt's end.
+Both paths checkpoint the prompt into the PromptCache where the server does
+(rewind.cache.checkpoints: every block, message boundaries, the prompt's last token but one).
 
 Lines starting with / are commands: /reset forgets the conversation, /exit (or end of input)
 leaves.
@@ -98,6 +99,7 @@ class ChatSession:
 
     def turn(self, user_text: str, out: Any) -> ReplyStats:
         """Send one user message, stream the reply to `out`, remember both."""
+        from rewind.cache.checkpoints import block_tokens_of
         from rewind.cache.records import cache_offset
 
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
@@ -123,7 +125,8 @@ class ChatSession:
         pieces: list[str] = []
         for text in stream_reply(model, tokenizer, tokens[done:], cache, self.sampling,
                                  self.args.max_tokens, stats, self.fed,
-                                 on_checkpoint=checkpoint, stops=points):
+                                 on_checkpoint=checkpoint, stops=points,
+                                 block_tokens=block_tokens_of(self.prompt_cache)):
             pieces.append(text)
             out.write(text)
             out.flush()

@@ -195,31 +195,27 @@ class ReplyStats:
 
 def prefill(model: Any, tokens: Sequence[int], cache: list[Any], start: int = 0,
             on_checkpoint: Callable[[int], None] | None = None,
-            stops: Sequence[int] = (), logits: bool = False) -> Any:
+            stops: Sequence[int] = (), logits: bool = False,
+            block_tokens: int | None = None) -> Any:
     """Feed `tokens` into `cache` (which already holds `start` tokens) in the engine's calls
     (rewind.engine.runner: its chunk grid, and `stops`, absolute positions such as message
-    boundaries). `on_checkpoint(n)` runs whenever the cache holds n tokens with n a multiple of
-    BLOCK_TOKENS, one of `stops`, or the prompt's last token but one (where a prompt cache
-    checkpoints). Returns the last position's logits [1, vocab] when `logits`."""
-    from rewind.config import BLOCK_TOKENS
+    boundaries). `on_checkpoint(n)` runs whenever the cache holds n tokens where a prompt cache
+    with blocks of `block_tokens` (None: the default) checkpoints (rewind.cache.checkpoints: a
+    block boundary, one of `stops`, or the prompt's last token but one). Returns the last
+    position's logits [1, vocab] when `logits`."""
+    from rewind.cache.checkpoints import BLOCK_TOKENS
     from rewind.engine.runner import ModelRunner
 
-    end = start + len(tokens)
-    points = set(stops)
-
-    def on_chunk(position: int, _: list[Any]) -> None:
-        if on_checkpoint is not None and (position % BLOCK_TOKENS == 0 or position in points
-                                          or position == end - 1):
-            on_checkpoint(position)
-
-    return ModelRunner(model).prefill(cache, tokens, start, points, on_chunk, logits=logits)
+    runner = ModelRunner(model, block_tokens=block_tokens or BLOCK_TOKENS)
+    hook = None if on_checkpoint is None else (lambda position, _: on_checkpoint(position))
+    return runner.prefill(cache, tokens, start, stops, hook, logits=logits)
 
 
 def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[Any],
                  params: SamplingParams, max_tokens: int, stats: ReplyStats,
                  fed: list[int] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None,
-                 stops: Sequence[int] = ()) -> Iterator[str]:
+                 stops: Sequence[int] = (), block_tokens: int | None = None) -> Iterator[str]:
     """Yield the reply's text as it comes. `cache` holds the len(fed) tokens before `tokens`.
     Every token fed to the model is appended to `fed`, so afterwards `fed` lists exactly what
     the cache holds: the prompt, and the generated tokens up to one past the last one read
@@ -240,7 +236,8 @@ def stream_reply(model: Any, tokenizer: Any, tokens: Sequence[int], cache: list[
     eos = set(tokenizer.eos_token_ids)
     started = time.perf_counter()
     stats.prompt_tokens = len(tokens)
-    logits = prefill(model, tokens, cache, len(fed), on_checkpoint, stops, logits=True)
+    logits = prefill(model, tokens, cache, len(fed), on_checkpoint, stops, logits=True,
+                     block_tokens=block_tokens)
     fed.extend(tokens)
     sampler = SequenceSampler(params, list(fed), int(logits.shape[-1]))
     generator = decode_tokens(ModelRunner(model), logits, cache, sampler, max_tokens)

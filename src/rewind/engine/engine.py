@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.config import BLOCK_TOKENS, EngineConfig
+from rewind.cache.checkpoints import block_tokens_of
+from rewind.config import EngineConfig
 from rewind.memory import release_free_heap
 from rewind.engine.faults import forward_fault
 from rewind.engine.grammar import GrammarBackend
@@ -30,7 +31,7 @@ from rewind.engine.request import (
     Usage,
 )
 from rewind.engine.sampler import SequenceSampler
-from rewind.engine.runner import ModelRunner, engine_chunk_tokens
+from rewind.engine.runner import ModelRunner
 from rewind.engine.scheduler import SampleListener, Scheduler, Sequence
 from rewind.engine.stops import TextStream
 
@@ -201,10 +202,9 @@ class Engine:
 
     def _build(self) -> None:
         """The runner and the scheduler: everything a step touches besides the model."""
-        block_tokens = getattr(self.prompt_cache, "block_tokens", None) or BLOCK_TOKENS
         self.runner = ModelRunner(
             self.loaded.model, max_kv_size=self.config.max_kv_size,
-            chunk_tokens=engine_chunk_tokens(self.config.chunk_tokens, block_tokens),
+            chunk_tokens=self.config.chunk_tokens, block_tokens=block_tokens_of(self.prompt_cache),
             fault=forward_fault(str(getattr(self.loaded, "name", ""))))
         self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
                                     self.eos_token_ids, self._listeners)

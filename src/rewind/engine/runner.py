@@ -12,23 +12,23 @@ pass cost one weight read instead of two, and the rows' logits come from one out
 (MLX's own layers: other families, GPUs, per-call rotary positions) the segments run one after
 another, with the same answers.
 
-Chunk grid: `chunk_ends` is the one place prompt positions are cut into model calls, for the
-server and every command, so the same prompt is always computed in the same calls whether it is
-restored from the prompt cache, batched with others, or alone. That matters for the answer
-itself: a call's shape changes the summation order of some families (sliding-window caches,
-linear attention), so a different cut gives logits that differ in the last bits.
+Chunk grid: rewind.cache.checkpoints is the one place prompt positions are cut into model calls
+and checkpoints are chosen, for the server and every command, so the same prompt is always
+computed in the same calls whether it is restored from the prompt cache, batched with others, or
+alone. That matters for the answer itself: a call's shape changes the summation order of some
+families (sliding-window caches, linear attention), so a different cut gives logits that differ
+in the last bits. `ModelRunner.prefill` is the one chunk loop of a sequence prefilled alone.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from rewind.config import BLOCK_TOKENS, default_chunk_tokens
+from rewind.cache.checkpoints import BLOCK_TOKENS, engine_chunk_tokens, prefill_plan
 from rewind.engine.positions import given_positions
 from rewind.engine.residuals import given_residuals
 from rewind.kernels.backend import ModelKernels, kernels_for
@@ -58,35 +58,6 @@ class Segment:
         return self.positions is None and self.residuals is None
 
 
-def chunk_ends(start: int, total: int, chunk_tokens: int, stops: Iterable[int] = ()) -> list[int]:
-    """Where the model calls covering prompt positions [start, total) end: every multiple of
-    `chunk_tokens` (absolute positions, so a restored prefix continues on the same grid), every
-    position in `stops` (checkpoints), `total - 1` (the last token goes alone: only its logits
-    are needed, and the model computes the output for every position of the call that produces
-    them) and `total`."""
-    ends = set(range((start // chunk_tokens + 1) * chunk_tokens, total, chunk_tokens))
-    ends |= {p for p in stops if start < p < total}
-    if total - 1 > start:
-        ends.add(total - 1)
-    ends.add(total)
-    return sorted(ends)
-
-
-def check_chunk_tokens(chunk_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
-    if chunk_tokens < 1 or block_tokens % chunk_tokens:
-        raise ValueError(f"chunk_tokens={chunk_tokens} must divide the block size {block_tokens}: "
-                         "checkpoints sit on block boundaries, which must be chunk ends")
-    return chunk_tokens
-
-
-def engine_chunk_tokens(configured: int | None, block_tokens: int) -> int:
-    """The grid an engine runs: the configured one (which must divide the block size), or the
-    backend's default cut to fit the block size."""
-    if configured is not None:
-        return check_chunk_tokens(configured, block_tokens)
-    return math.gcd(default_chunk_tokens(), block_tokens)
-
-
 class RowCaches(list):
     """A decode batch as its rows' own batch-1 caches (one per-layer list each), for a backend
     whose forward pass shares weights across segments (the CPU kernels): each row then decodes
@@ -98,7 +69,8 @@ class ModelRunner:
 
     def __init__(self, model: Any, max_kv_size: int | None = None,
                  chunk_tokens: int | None = None, kernels: ModelKernels | None = None,
-                 fault: Callable[[], None] | None = None) -> None:
+                 fault: Callable[[], None] | None = None,
+                 block_tokens: int = BLOCK_TOKENS) -> None:
         self.model = model
         # Tests only: called before each forward call, may raise (rewind.engine.faults).
         self.fault = fault
@@ -106,7 +78,11 @@ class ModelRunner:
         # asked of the process's backend.
         self.kernels = kernels if kernels is not None else kernels_for(model)
         self.max_kv_size = max_kv_size
-        self.chunk_tokens = chunk_tokens or default_chunk_tokens()
+        # Checkpoints follow the prompt cache's block size (rewind.cache.checkpoints
+        # .block_tokens_of); model calls end on a grid that divides it: the configured one, or
+        # the backend's default cut to fit.
+        self.block_tokens = block_tokens
+        self.chunk_tokens = engine_chunk_tokens(chunk_tokens, block_tokens)
         # How many layers a segment's calls can be split between (`Segment.stop`), on a backend
         # that keeps rows in flight between calls (the CPU kernels); None elsewhere.
         self.layer_count: int | None = (
@@ -164,26 +140,30 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------
 
     def prefill(self, cache: list[Any], tokens: Sequence[int], start: int = 0,
-                stops: Iterable[int] = (),
-                on_chunk: Callable[[int, list[Any]], None] | None = None,
-                logits: bool = True) -> mx.array | None:
-        """One sequence alone: feed `tokens` (prompt positions start.. onward) into `cache`,
-        which holds the `start` before them, in the grid's calls (`chunk_ends`); return the last
-        position's logits [1, vocab]. `on_chunk(position, cache)` runs after every call but the
-        last, with the cache holding `position` tokens (where a prompt cache checkpoints)."""
+                boundaries: Iterable[int] = (),
+                on_checkpoint: Callable[[int, list[Any]], None] | None = None,
+                logits: bool = True, blocks_only: bool = False) -> mx.array | None:
+        """One sequence alone, the chunk loop of every path but the scheduler's: feed `tokens`
+        (prompt positions start.. onward) into `cache`, which holds the `start` before them, in
+        the calls of rewind.cache.checkpoints.prefill_plan (message `boundaries` cut calls too);
+        return the last position's logits [1, vocab] when `logits`. `on_checkpoint(position,
+        cache)` runs after every call whose end the plan marks a checkpoint, with the cache
+        holding `position` tokens (`blocks_only`: see prefill_plan)."""
         tokens = list(tokens)
         if not tokens:
             raise ValueError("nothing to prefill")
         total = start + len(tokens)
         position = start
         last: mx.array | None = None
-        for end in chunk_ends(start, total, self.chunk_tokens, stops):
+        for step in prefill_plan(start, total, self.chunk_tokens, self.block_tokens, boundaries,
+                                 blocks_only=blocks_only):
+            end = step.end
             chunk = mx.array([tokens[position - start:end - start]])
             last = self.forward([Segment(chunk, cache, logits=logits and end == total)])[0]
             position = end
+            if step.checkpoint and on_checkpoint is not None:
+                on_checkpoint(end, cache)
             if end < total:
-                if on_chunk is not None:
-                    on_chunk(end, cache)
                 mx.clear_cache()  # chunk temporaries: keep peak memory at one chunk's worth
         return last
 

@@ -12,7 +12,7 @@ calls still cover the same chunks, so the answer does not change. The runner
 decides.
 
 A sequence prefills on its own batch-1 cache (restored from the prompt cache when there is one),
-in calls cut on the one chunk grid (`runner.chunk_ends`), checkpointing at block boundaries; it
+in calls cut on the one chunk grid, checkpointing where rewind.cache.checkpoints says; it
 samples its first token from the prompt's last logits, then joins the decode batch through the
 batch cache classes' merge/extend and leaves it through filter.
 """
@@ -29,7 +29,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.config import BLOCK_TOKENS, PASS_TOKENS, EngineConfig
+from rewind.cache.checkpoints import chunk_ends, decode_checkpoint, is_checkpoint
+from rewind.config import PASS_TOKENS, EngineConfig
 from rewind.engine.positions import takes_positions
 from rewind.engine.request import (
     EngineStoppedError,
@@ -40,7 +41,7 @@ from rewind.engine.request import (
     TokenEvent,
     Usage,
 )
-from rewind.engine.runner import ModelRunner, Segment, check_chunk_tokens, chunk_ends
+from rewind.engine.runner import ModelRunner, Segment
 from rewind.engine.sampler import (
     LazySamples,
     Sampled,
@@ -125,10 +126,10 @@ class Scheduler:
         self.model = runner.model
         self.config = config
         self.prompt_cache = prompt_cache
-        # Checkpoints follow the prompt cache's block size (256 unless configured); model calls
-        # end on a finer grid that divides it.
-        self.block_tokens: int = getattr(prompt_cache, "block_tokens", None) or BLOCK_TOKENS
-        self.chunk_tokens = check_chunk_tokens(runner.chunk_tokens, self.block_tokens)
+        # Checkpoints follow the prompt cache's block size, model calls a grid that divides it:
+        # the runner's, built on that cache (rewind.cache.checkpoints).
+        self.block_tokens: int = runner.block_tokens
+        self.chunk_tokens: int = runner.chunk_tokens
         # Layers a chunk can be spread over, steps apart (the CPU kernels); None: whole chunks.
         self.layer_count = runner.layer_count
         self.mixed_prefill_tokens = config.resolved_mixed_prefill_tokens(
@@ -549,9 +550,9 @@ class Scheduler:
         self.counters.prefilled_tokens += end - chunk.start
         total = len(seq.prompt)
         if end < total:
-            # Checkpoints where the old chunking had them: block boundaries, the points the
-            # request named (message boundaries), and the prompt's last token but one.
-            if end % self.block_tokens == 0 or end in seq.checkpoint_at or end == total - 1:
+            # Block boundaries, the points the request named (message boundaries), and the
+            # prompt's last token but one.
+            if is_checkpoint(end, total, self.block_tokens, seq.checkpoint_at):
                 self._checkpoint(seq, seq.prompt[:end], seq.cache or [])
             return
         try:
@@ -634,16 +635,15 @@ class Scheduler:
                                (3, len(rows), 1))
 
     def _decode_checkpoints(self, finished_rows: set[int], fed: bool = False) -> None:
-        """Checkpoint a decoding sequence every 256 tokens it holds and where it ends (the next
+        """Checkpoint a decoding sequence every block it holds and where it ends (the next
         turn of a conversation usually re-sends this answer). A row's batch cache holds its
         prompt and every generated token but the last, which is the next step's input; with
         `fed` (a pipelined step queued on it), the last one too."""
         for row, seq in enumerate(self.decoding):
             held = len(seq.prompt) + len(seq.generated) - (0 if fed else 1)
-            if held % self.block_tokens != 0 and row not in finished_rows:
+            if not decode_checkpoint(held, len(seq.prompt), self.block_tokens,
+                                     row in finished_rows):
                 continue
-            if held <= len(seq.prompt):
-                continue  # nothing beyond the prompt's own checkpoints
             try:
                 single = self.runner.extract(self.batch_cache or [], row)
             except Exception:

@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.config import BLOCK_TOKENS
+from rewind.cache.checkpoints import BLOCK_TOKENS, block_tokens_of, chunk_ends
 from rewind.engine.request import SamplingParams
-from rewind.engine.runner import ModelRunner, Segment, chunk_ends, engine_chunk_tokens
+from rewind.engine.runner import ModelRunner, Segment
 from rewind.engine.sampler import SequenceSampler
 
 __all__ = ["BLOCK_TOKENS", "Prefilled", "chunk_ends", "decode_tokens", "generate_tokens",
@@ -48,22 +48,14 @@ def prefill_prompt(
     """Feed prompt [T] (T >= 1) into `cache` and return the last position's logits [1, vocab].
 
     `on_boundary(position, cache)` is called with the cache evaluated at every absolute position
-    that is a multiple of BLOCK_TOKENS reached inside the prompt, and lets the prompt cache
-    snapshot blocks as they complete.
+    that is a multiple of the runner's block size (BLOCK_TOKENS) reached inside the prompt, its
+    end included, and lets the prompt cache snapshot blocks as they complete
+    (rewind.cache.checkpoints.prefill_plan's `blocks_only`).
     """
     runner = runner or ModelRunner(model)
     tokens = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-    start = cache_offset(cache)
-
-    def boundary(position: int, held: list[Any]) -> None:
-        if on_boundary is not None and position % BLOCK_TOKENS == 0:
-            on_boundary(position, held)
-
-    logits = runner.prefill(cache, tokens, start, on_chunk=boundary)
-    end = start + len(tokens)
-    if on_boundary is not None and end % BLOCK_TOKENS == 0:
-        on_boundary(end, cache)
-    return logits
+    return runner.prefill(cache, tokens, cache_offset(cache), on_checkpoint=on_boundary,
+                          blocks_only=True)
 
 
 def _vocab_size(logits: mx.array) -> int:
@@ -162,29 +154,24 @@ def prefill_with_cache(
     the last position's logits: how an engine is meant to drive PromptCache, used by the tests,
     the benchmark and single-process chat.
 
-    Checkpoints: every multiple of block_tokens, every position in `checkpoints` (message
-    boundaries), and len(tokens) - 1. That last one, not len(tokens), because a restore always
-    leaves one token to compute: a point at len - 1 serves both an exact repeat of this prompt
-    and the next turn, which extends it."""
+    Checkpoints follow rewind.cache.checkpoints (the scheduler's rule): every multiple of the
+    prompt cache's block size, every position in `checkpoints` (message boundaries), and
+    len(tokens) - 1."""
     tokens = list(tokens)
     if not tokens:
         raise ValueError("empty prompt")
-    step = prompt_cache.block_tokens if prompt_cache is not None else 256
-    runner = ModelRunner(model, max_kv_size=max_kv_size,
-                         chunk_tokens=engine_chunk_tokens(None, step))
+    # The engine's calls (the same chunk grid with and without a prompt cache, so the two
+    # differ only by the restore); the last token goes alone.
+    runner = ModelRunner(model, max_kv_size=max_kv_size, block_tokens=block_tokens_of(prompt_cache))
     if prompt_cache is None:
         cache, position, restored = runner.new_cache(), 0, None
     else:
         restored = prompt_cache.restore(tokens, extras, max_kv_size=max_kv_size)
         cache, position = restored.cache, restored.tokens
-    stops = {p for p in checkpoints if 0 < p < len(tokens)}
 
     def checkpoint(end: int, held: list[Any]) -> None:
-        if prompt_cache is not None and (end % step == 0 or end in stops
-                                         or end == len(tokens) - 1):
-            prompt_cache.checkpoint(tokens[:end], held, extras)
+        prompt_cache.checkpoint(tokens[:end], held, extras)
 
-    # The engine's calls (the same chunk grid with and without a prompt cache, so the two
-    # differ only by the restore); the last token goes alone.
-    logits = runner.prefill(cache, tokens[position:], position, stops, checkpoint)
+    logits = runner.prefill(cache, tokens[position:], position, checkpoints,
+                            checkpoint if prompt_cache is not None else None)
     return Prefilled(cache=cache, logits=logits, restored=restored)
