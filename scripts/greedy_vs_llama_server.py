@@ -32,12 +32,13 @@ def complete(port: int, path: str, body: dict) -> str:
     return reply["content"] if "content" in reply else reply["choices"][0]["text"]
 
 
-def run_server(name: str, argv: list[str], prompts: list[str], tokens: int, env=None) -> list[str]:
+def run_server(name: str, argv: list[str], prompts: list[str], tokens: int) -> list[str]:
     port = free_port()
     argv = [a.replace("PORT", str(port)) for a in argv]
-    server = ServerProcess(name, argv, port, Path(f"/tmp/{name}-{port}.log"), env=env,
+    server = ServerProcess(name, argv, port, Path(f"/tmp/{name}-{port}.log"),
                            ready_paths=("/health",))
     server.start()
+    server.wait_ready()
     try:
         if name == "llama.cpp":
             return [complete(port, "/completion", {"prompt": p, "n_predict": tokens,
