@@ -55,9 +55,17 @@ def test_eiffel_tower_is_in_paris(default_model):
     assert greedy_continuation(default_model, "The Eiffel Tower is located in the city of", 2).startswith(" Paris")
 
 
-def test_on_the_cpu_the_default_runs_from_its_gguf_blocks(default_model):
-    """`default` computes with its Q4_K_M file's blocks read in place: the weights llama.cpp
-    runs, ~250 MB where the bf16 folder holds 536 MB, and none of the folder's arrays read."""
+@pytest.fixture(scope="module")
+def in_place_model():
+    from rewind.models.loader import load_model
+
+    return load_model("default", in_place=True)
+
+
+def test_on_the_cpu_the_default_runs_from_its_gguf_blocks(in_place_model):
+    """`--cpu-weights gguf`: the default computes with its Q4_K_M file's blocks read in place:
+    the weights llama.cpp runs, ~250 MB where the bf16 folder holds 536 MB, and none of the
+    folder's arrays read."""
     import mlx.core as mx
 
     from rewind.kernels.native_forward import native_forward
@@ -66,6 +74,7 @@ def test_on_the_cpu_the_default_runs_from_its_gguf_blocks(default_model):
 
     if not mx.default_device() == mx.cpu:
         pytest.skip("the C kernels are for the CPU backend")
+    default_model = in_place_model
     forward = native_forward(default_model.model)
     assert forward is not None and forward.form == "gguf"
     assert "Q4_K x27" in describe_compute(default_model.model)
@@ -73,7 +82,7 @@ def test_on_the_cpu_the_default_runs_from_its_gguf_blocks(default_model):
     assert 200e6 < loaded_bytes(default_model.model) < 300e6
 
 
-def test_in_place_and_bf16_weights_agree(default_model):
+def test_in_place_and_bf16_weights_agree(in_place_model):
     """The GGUF's blocks with int8 activations (as llama.cpp computes) against the bf16 rounding
     of the same weights in float32: the same greedy tokens on a factual prompt, and a
     perplexity within 3% (measured: see benchmarks/results/gguf-in-place.md)."""
@@ -85,7 +94,7 @@ def test_in_place_and_bf16_weights_agree(default_model):
 
     if not mx.default_device() == mx.cpu:
         pytest.skip("the C kernels are for the CPU backend")
-    bf16 = load_model("default", in_place=False)
+    bf16, default_model = load_model("default", in_place=False), in_place_model
     prompt = default_model.tokenizer.encode("The Eiffel Tower is located in the city of")
     tokens = [t for t, _ in generate_tokens(default_model.model, prompt, max_tokens=6)]
     assert tokens == [t for t, _ in generate_tokens(bf16.model, prompt, max_tokens=6)]

@@ -57,7 +57,7 @@ def last_logits(loaded) -> np.ndarray:
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_in_place_gives_the_dequantized_models_logits(converted, arch):
     folder = converted(arch)
-    in_place = load_model(str(folder))  # auto: the GGUF is there, so in place
+    in_place = load_model(str(folder), in_place=True)
     exact = load_model(str(folder), in_place=False)
     forward = native_forward(in_place.model)
     assert forward is not None and forward.form == "gguf"

@@ -50,12 +50,19 @@ def default_loaded():
     return load_model("default")
 
 
-@pytest.fixture(params=["llama", "gemma3", "qwen3_5", "gemma4", "default"])
+@pytest.fixture(scope="module")
+def default_gguf_loaded():
+    return load_model("default", in_place=True)
+
+
+@pytest.fixture(params=["llama", "gemma3", "qwen3_5", "gemma4", "default", "default-gguf"])
 def any_loaded(request: pytest.FixtureRequest, tiny_loaded):
     if request.param == "gemma4":
         return request.getfixturevalue("gemma4_loaded")
     if request.param == "default":
         return request.getfixturevalue("default_loaded")
+    if request.param == "default-gguf":
+        return request.getfixturevalue("default_gguf_loaded")
     return tiny_loaded(request.param)
 
 

@@ -41,7 +41,8 @@ def add_cpu_weights_arg(parser: argparse.ArgumentParser) -> None:
                         help="on the CPU, compute with the GGUF file the model came from, its "
                              "blocks read in place (gguf: the weights llama.cpp runs), the model "
                              "folder's weights (exact: bf16 for the default model), or int8 "
-                             "copies of them; auto: gguf where there is one, else exact")
+                             "copies of them; auto: exact for now (a cached answer of the gguf form "
+                             "can differ from the uncached one past a sliding window)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
