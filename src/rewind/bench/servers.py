@@ -3,14 +3,14 @@
     rewind           `rewind serve` (prompt cache with RAM hot tier + disk tier)
     rewind-nocache   `rewind serve --no-prompt-cache`
     rewind-ram       `rewind serve` with the disk tier off, everything kept in RAM
-    rewind-bf16      `rewind serve --cpu-weights exact` (the MLX folder's bf16 weights on the CPU)
+    rewind-gguf      `rewind serve --cpu-weights gguf` (the GGUF's blocks read in place on the CPU)
     rewind-int8      `rewind serve --cpu-weights int8` (int8 layers and head on the CPU)
     mlx-lm           `mlx_lm server` on the same converted MLX folder
     llama.cpp        llama.cpp's own `llama-server` (built from source by
                      scripts/install-llama-cpp.sh) on the Q4_K_M GGUF the MLX folder came from
 
-On a CPU Rewind reads the GGUF the folder came from in place (its own kernels for its blocks),
-as llama.cpp runs it; mlx-lm runs the folder.
+Rewind and mlx-lm run the folder; rewind-gguf reads the GGUF the folder came from in place (its
+own kernels for its blocks), as llama.cpp runs it.
 llama-server gets the options a user would give it and its defaults for everything else (see
 llama_server_argv).
 Every MLX process gets the same OpenBLAS preload that the `rewind` command gives itself, so the
@@ -39,7 +39,7 @@ LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
                                        REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
 
-SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "rewind-bf16", "rewind-int8", "mlx-lm",
+SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "rewind-gguf", "rewind-int8", "mlx-lm",
                 "llama.cpp")
 
 
@@ -274,8 +274,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
             argv.append("--no-disk-cache")
         elif name == "rewind-int8":
             argv.extend(["--cpu-weights", "int8"])
-        elif name == "rewind-bf16":
-            argv.extend(["--cpu-weights", "exact"])
+        elif name == "rewind-gguf":
+            argv.extend(["--cpu-weights", "gguf"])
         argv.extend(options.extra_rewind_args)
         return ServerProcess(name, argv, port, log_path, env=openblas_env(),
                              ready_paths=("/health",))
@@ -307,11 +307,10 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
 def describe_server(name: str) -> str:
     """One line for the report: what ran and on which weights."""
     return {
-        "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier); on a CPU the GGUF's "
-                  "blocks read in place",
+        "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier), MLX folder",
         "rewind-nocache": "rewind serve --no-prompt-cache",
         "rewind-ram": "rewind serve --no-disk-cache (everything in RAM)",
-        "rewind-bf16": "rewind serve --cpu-weights exact (the MLX folder's bf16 weights)",
+        "rewind-gguf": "rewind serve --cpu-weights gguf (the GGUF's blocks read in place)",
         "rewind-int8": "rewind serve --cpu-weights int8 (int8 copies of the folder's layers and "
                        "head)",
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "

