@@ -52,8 +52,10 @@ from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
 log = logging.getLogger(__name__)
 
 DEFAULT_FORM = "auto"
-# "gguf": a GGUF's weights as stored (rewind.kernels.stored), blocks read by quant.c in place.
-WEIGHT_FORMS = ("auto", "bf16", "f32", "int8", "gguf", "off")
+WEIGHT_FORMS = ("auto", "bf16", "f32", "int8", "off")  # REWIND_NATIVE's choices
+# A GGUF's weights as stored (rewind.kernels.stored), blocks read by quant.c in place: chosen by
+# the loader with the stored weights (--cpu-weights gguf), not by REWIND_NATIVE.
+STORED_FORM = "gguf"
 KV_DTYPE = mx.float32  # what the caches hold: the float32 path's keys and values
 
 
@@ -623,7 +625,7 @@ def requested_form(form: str | None = None) -> str:
     from rewind import env
 
     form = form or env.native_form() or DEFAULT_FORM  # REWIND_NATIVE
-    if form not in WEIGHT_FORMS:
+    if form not in (*WEIGHT_FORMS, STORED_FORM):
         raise ValueError(f"REWIND_NATIVE={form!r}: expected one of {', '.join(WEIGHT_FORMS)}")
     return form
 
