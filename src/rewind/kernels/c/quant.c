@@ -101,13 +101,6 @@ static inline __m256i bits32(const uint8_t *p) {
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
-static inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
 
 static inline int32_t hsum8i(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -256,7 +249,7 @@ static inline Unpacked32 unpack_q5_1(const void *p) {
       }                                                                                         \
     }                                                                                           \
     for (int i = 0; i < NW; ++i)                                                                \
-      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum8(acc[i][r]) + mins[i][r];         \
+      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum256(acc[i][r]) + mins[i][r];         \
   }
 
 #ifdef __AVX512F__
@@ -330,7 +323,7 @@ static inline __m512i sign2(__m512i a, __m512i w) {
           __m256i p = SIGNED ? dot_u8s8(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(xa, u.q)) \
                              : dot_u8s8(_mm256_setr_epi32(-(ZERO) * x->sum, 0, 0, 0, 0, 0, 0, 0), \
                                         magnitude, xa);                                         \
-          out[i * NR_MAX + r] += hsum8(_mm256_mul_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(p))); \
+          out[i * NR_MAX + r] += hsum256(_mm256_mul_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(p))); \
           if (HAS_MIN) mins[i][r] += u.m * x->d * (float)x->sum;                                \
         }                                                                                       \
       }                                                                                         \
@@ -453,7 +446,7 @@ static inline void unpack_q6_k(const void *p, UnpackedK *u) {
       }                                                                                         \
     }                                                                                           \
     for (int i = 0; i < NW; ++i)                                                                \
-      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum8(acc[i][r]) - hsum8(acc_min[i][r]); \
+      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum256(acc[i][r]) - hsum256(acc_min[i][r]); \
   }
 
 typedef void (*TileFn)(const uint8_t *w, int64_t wstride, const uint8_t *a, int64_t astride,

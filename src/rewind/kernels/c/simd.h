@@ -6,6 +6,15 @@
 #include <string.h>
 
 enum { FORM_F32 = 0, FORM_BF16 = 1, FORM_INT8 = 2 };
+
+/* The sum of a 256-bit vector's 8 floats (every build: quant.c works in 256-bit halves). */
+static inline float hsum256(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
 #ifdef __AVX512F__
 #define XG 4 /* activation rows per pass */
 #define VW 16
@@ -74,13 +83,7 @@ static inline vf zero_below(vf y, vf x, float bound) {
 }
 #define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define ZERO() _mm256_setzero_ps()
-static inline float hsum(vf v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+static inline float hsum(vf v) { return hsum256(v); }
 #endif
 
 static inline float weight_at(const void *w, int form, int64_t i) {
