@@ -61,6 +61,53 @@ def test_random_boolean_and_additive_masks() -> None:
     assert_matches_mlx(*inputs(2, 4, 4, 17, 40, 32), additive)
 
 
+def _through_a_cache(cache, chunks: list[int], threads: int, kv_dtype=mx.bfloat16,
+                     window: int | None = None) -> np.ndarray:
+    """Each position's attention output when the positions arrive in `chunks` through `cache`
+    as a model's layer feeds it: the mask mlx-lm builds before the update, then the kernel on
+    what update_and_fetch returns. Queries, keys and values depend on the position only."""
+    from mlx_lm.models.base import create_attention_mask
+
+    total = sum(chunks)
+    rng = np.random.default_rng(11)
+    q_all = rng.standard_normal((1, 4, total, 64)).astype(np.float32)
+    k_all, v_all = (mx.array(rng.standard_normal((1, 1, total, 64)).astype(np.float32))
+                    .astype(kv_dtype) for _ in range(2))
+    outs, start = [], 0
+    for n in chunks:
+        mask = create_attention_mask(mx.zeros((1, n, 1)), cache, window_size=window)
+        keys, values = cache.update_and_fetch(k_all[:, :, start:start + n], v_all[:, :, start:start + n])
+        got = attention(mx.array(q_all[:, :, start:start + n]), keys, values, 0.125, mask,
+                        threads=threads, cache=cache)
+        expected = mx.fast.scaled_dot_product_attention(
+            mx.array(q_all[:, :, start:start + n]), keys.astype(mx.float32),
+            values.astype(mx.float32), scale=0.125, mask=mask)
+        assert got is not None and float(mx.abs(got - expected).max()) < TOLERANCE
+        outs.append(np.array(got))
+        start += n
+    return np.concatenate(outs, axis=2)
+
+
+@pytest.mark.parametrize("window", [None, 512])
+def test_the_same_bits_in_any_chunking_thread_count_or_ring_rotation(window) -> None:
+    """A position's output does not depend on how the positions came: whole, in chunks, one
+    decode step at a time past a sliding window's wrap, on 1 or 4 threads (decode splits the
+    keys over threads). The GGUF kernels quantize activations to int8, where any rounding
+    difference would become a different answer (issue 25); before the kernel summed keys in
+    order of position, a rotated window summed them in buffer order and differed."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    def make():
+        return KVCache() if window is None else RotatingKVCache(max_size=window)
+
+    whole = _through_a_cache(make(), [1300], threads=2, window=window)
+    for chunks, threads in (([256, 256, 788], 2), ([700, 37, 63] + [1] * 500, 4),
+                            ([1000] + [1] * 300, 1), ([511, 1, 788], 3)):
+        got = _through_a_cache(make(), chunks, threads=threads, window=window)
+        differing = np.argwhere(np.abs(got - whole).max(axis=(0, 1, 3)) > 0).ravel()
+        assert differing.size == 0, f"{chunks[:4]}... on {threads} threads: positions {differing[:8]}"
+
+
 def test_bf16_keys_and_values() -> None:
     assert_matches_mlx(*inputs(1, 4, 1, 64, 300, 256, kv_dtype=mx.bfloat16), "causal")
 

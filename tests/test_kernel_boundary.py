@@ -121,6 +121,15 @@ def test_attention_checks_its_views_and_mask() -> None:
         kernels.attention(q, k, k, native.FORM_BF16, None, native.MASK_NONE, out, 0.1, 2)
     broadcast = np.broadcast_to(np.ones((1, 1, 1, 5), bool), (1, 2, 3, 5))  # strides 0 are fine
     assert kernels.attention(q, k, k, native.FORM_F32, broadcast, native.MASK_BOOL, out, 0.1, 2)
+    # The key layout: one int64 per batch row, the rotation an index into the 5 keys.
+    layout = (np.array([700], np.int64), np.array([3], np.int64))
+    assert kernels.attention(q, k, k, native.FORM_F32, None, native.MASK_NONE, out, 0.1, 2, layout)
+    for bad, match in (((np.array([0], np.int64), np.array([5], np.int64)), "rotation"),
+                       ((np.array([0], np.int64), np.array([-1], np.int64)), "rotation"),
+                       ((np.array([0, 0], np.int64), np.array([0, 0], np.int64)), "positions"),
+                       ((np.array([0], np.int32), np.array([0], np.int64)), "positions")):
+        with pytest.raises(KernelCallError, match=match):
+            kernels.attention(q, k, k, native.FORM_F32, None, native.MASK_NONE, out, 0.1, 2, bad)
 
 
 def test_gated_delta_checks_heads_and_state() -> None:

@@ -413,10 +413,20 @@ def test_salt_and_images_separate_caches(tiny: Tiny) -> None:
 
 
 @pytest.mark.real_model
+def in_place(model: Any) -> bool:
+    from rewind.kernels.native_forward import native_forward
+
+    forward = native_forward(model)
+    return forward is not None and forward.form == "gguf"
+
+
 def test_real_model(tmp_path: Path) -> None:
     """Gemma 3 270M (sliding window 512 + global layers): RAM hits across an agent session with
-    a rewind, then a disk hit. Its logits are larger and its stack deeper than the tiny models',
-    so the tolerance is REAL_LOGIT_ATOL."""
+    a rewind, then a disk hit. On the CPU the default reads its GGUF in place with int8
+    activations, where any rounding difference would grow into another answer: there the
+    cached logits are the uncached ones to the bit (the kernels give a row the same bits in any
+    chunking). Elsewhere its logits are larger and its stack deeper than the tiny models', so the
+    tolerance is REAL_LOGIT_ATOL."""
     from rewind.models.loader import load_model
 
     try:
@@ -425,7 +435,7 @@ def test_real_model(tmp_path: Path) -> None:
         pytest.skip(f"default model unavailable: {error}")
     sessions = agent_session(seed=5)
     first, rewound = render(loaded.tokenizer, sessions[1]), render(loaded.tokenizer, sessions[2])
-    reference = Reference(loaded.model, atol=REAL_LOGIT_ATOL)
+    reference = Reference(loaded.model, atol=0.0 if in_place(loaded.model) else REAL_LOGIT_ATOL)
     cache = PromptCache(loaded.model, loaded.fingerprint, with_disk(tmp_path))
     assert answer(loaded.model, first, cache).restored == 0
     got = answer(loaded.model, rewound, cache)  # reasoning dropped: restored from RAM

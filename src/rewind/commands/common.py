@@ -41,8 +41,8 @@ def add_cpu_weights_arg(parser: argparse.ArgumentParser) -> None:
                         help="on the CPU, compute with the GGUF file the model came from, its "
                              "blocks read in place (gguf: the weights llama.cpp runs), the model "
                              "folder's weights (exact: bf16 for the default model), or int8 "
-                             "copies of them; auto: exact for now (a cached answer of the gguf form "
-                             "can differ from the uncached one past a sliding window)")
+                             "copies of them; auto: gguf where the model came from a GGUF file "
+                             "that is still there, else exact")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

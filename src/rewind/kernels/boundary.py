@@ -318,10 +318,13 @@ class Kernels:
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_form: int,
                   mask: np.ndarray | None, mask_kind: int, out: np.ndarray, scale: float,
-                  threads: int) -> bool:
+                  threads: int, layout: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
         """out [B, heads, L, D] = softmax(scale q k^T + mask) v; q, out float32 and k, v
-        [B, kv_heads, S, D] in `kv_form`, each with any strides whose last is one. False where
-        the kernel does not take the shapes (e.g. a head size its vectors do not divide)."""
+        [B, kv_heads, S, D] in `kv_form`, each with any strides whose last is one. `layout`:
+        per batch row, the absolute position of its oldest key and that key's buffer index
+        (int64 [B] each; see cpu_attention.key_layout), or None for keys in order from 0.
+        False where the kernel does not take the shapes (e.g. a head size its vectors do not
+        divide)."""
         if getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
             raise KernelCallError("attention: q and k must be [B, heads, L, D] arrays")
         batch, heads, length, dim = q.shape
@@ -352,6 +355,13 @@ class Kernels:
                         strided=True),
             os=element_strides(out), B=batch, heads=heads, kv_heads=kv_heads, L=length,
             S=total, D=dim, scale=float(scale), kv_form=kv_form, threads=max(1, threads))
+        if layout is not None:
+            first, rotation = layout
+            args.kpos = checked(first, "key positions", _I64, (batch,))
+            args.krot = checked(rotation, "key rotation", _I64, (batch,))
+            if rotation.min() < 0 or rotation.max() >= total or np.abs(first).max() >= 1 << 60:
+                raise KernelCallError(f"attention: key rotation {rotation} outside [0, {total}) "
+                                      f"or positions {first} out of range")
         status = self._library.attention(ctypes.byref(args))
         if status == -2:
             raise MemoryError("attention kernel: no memory for its scratch")

@@ -43,6 +43,30 @@ def _mask_arguments(mask: Any, shape: tuple[int, int, int, int]) -> tuple[int, A
     return native.MASK_ADD, mx.broadcast_to(mask.astype(mx.float32), shape)
 
 
+def key_layout(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where the `total` keys `cache.update_and_fetch` just returned sit: per batch row, the
+    absolute position of the oldest and its index in the buffer (a full sliding window's ring
+    holds its oldest key wherever it last wrote). The kernel visits keys in order of position
+    from it, so a row's attention rounds the same in any chunking. None (keys in order from
+    position 0) for a cache whose layout is not known here: the answer is the same, only its
+    rounding may then depend on the chunking."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    offset = getattr(cache, "offset", None)
+    if not isinstance(offset, int) or offset < total:
+        return None
+    if isinstance(cache, RotatingKVCache):
+        index = getattr(cache, "_idx", None)
+        if cache.keep != 0 or not isinstance(index, int):
+            return None
+        rotation = index % total
+    elif isinstance(cache, KVCache):
+        rotation = 0  # rows in order, the newest last (Rewind's GrowingKVCache too)
+    else:
+        return None
+    return (np.full(batch, offset - total, np.int64), np.full(batch, rotation, np.int64))
+
+
 def supported(queries: Any, keys: Any, values: Any) -> bool:
     """Whether the kernel takes these inputs (else use MLX's attention). `queries` may be an MLX
     array or a NumPy float32 view."""
@@ -60,11 +84,12 @@ def supported(queries: Any, keys: Any, values: Any) -> bool:
 
 
 def attention_into(queries: np.ndarray, keys: mx.array, values: mx.array, scale: float,
-                   mask: Any, out: np.ndarray, threads: int | None = None) -> bool:
+                   mask: Any, out: np.ndarray, threads: int | None = None,
+                   cache: Any = None) -> bool:
     """The kernel on host buffers: `queries` and `out` are float32 NumPy views [B, heads, L, D]
     (any strides with a unit last one, e.g. views of a projection's output rows); keys and
-    values are the cache's MLX arrays, evaluated here. False where the kernel does not apply
-    (see `supported`); `out` is then untouched."""
+    values are the cache's MLX arrays, evaluated here, as `cache` (if given) just returned
+    them. False where the kernel does not apply (see `supported`); `out` is then untouched."""
     if not supported(queries, keys, values):
         return False
     batch, heads, length, _ = queries.shape
@@ -77,14 +102,17 @@ def attention_into(queries: np.ndarray, keys: mx.array, values: mx.array, scale:
     if k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize:
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     m = None if mask_array is None else _host(mask_array)
+    layout = None if cache is None else key_layout(cache, batch, total)
     return boundary.kernels().attention(queries, k, v, _KV_FORMS[keys.dtype], m, kind, out,
-                                        scale, threads or native.kernel_threads())
+                                        scale, threads or native.kernel_threads(), layout)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: Any = None, threads: int | None = None) -> mx.array | None:
+              mask: Any = None, threads: int | None = None, cache: Any = None
+              ) -> mx.array | None:
     """softmax(scale * queries @ keys^T + mask) @ values, [B, heads, L, D] float32; None where
-    the kernel does not apply (see `supported`)."""
+    the kernel does not apply (see `supported`). `cache`: the KV cache that returned `keys`
+    and `values`, whose layout orders the sums (see `key_layout`)."""
     if not supported(queries, keys, values):
         return None
     queries = queries.astype(mx.float32)
@@ -93,7 +121,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     if q.strides[-1] != q.itemsize:
         q = np.ascontiguousarray(q)
     out = np.empty(queries.shape, np.float32)
-    if not attention_into(q, keys, values, scale, mask, out, threads):
+    if not attention_into(q, keys, values, scale, mask, out, threads, cache):
         return None
     return mx.array(out)
 
@@ -111,7 +139,7 @@ def _mlx_layers_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
     if (sinks is None and not hasattr(cache, "bits") and not env.cpu_attention_off()
             and supported(queries, keys, values)):
         try:
-            out = attention(queries, keys, values, scale, mask)
+            out = attention(queries, keys, values, scale, mask, cache=cache)
         except (RuntimeError, ValueError):  # e.g. inside mx.compile, where nothing may be evaluated
             out = None
         if out is not None:

@@ -84,7 +84,8 @@ class Attention(ctypes.Structure):
                 ("B", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("L", ctypes.c_int64), ("S", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("kv_form", ctypes.c_int64),
-                ("threads", ctypes.c_int64)]
+                ("threads", ctypes.c_int64),
+                ("kpos", ctypes.c_void_p), ("krot", ctypes.c_void_p)]
 
 
 MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3

@@ -577,7 +577,7 @@ class NativeForward:
             keys, values = layer_cache.update_and_fetch(keys, values)
         queries = by_head[:, :heads]
         out = attended.reshape(batch, length, heads, dim).transpose(0, 2, 1, 3)
-        if attention_into(queries, keys, values, layer.scale, mask, out):
+        if attention_into(queries, keys, values, layer.scale, mask, out, cache=layer_cache):
             return
         # MLX's attention, e.g. for a quantized KV cache.
         from mlx_lm.models.base import scaled_dot_product_attention

@@ -187,9 +187,9 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 # --cpu-weights: what the CPU reads for each token. "gguf": the GGUF file the model was converted
 # from, its blocks read in place (the weights llama.cpp runs; rewind.models.gguf_weights).
 # "exact": the model folder's weights (bf16 read in place; the checkpoint's answer). "int8": int8
-# layers and head with one scale per row. "auto": exact, until the in-place form keeps the
-# prompt cache's answers exact past a sliding window (see _stored_weights). Other backends
-# ignore it (Metal and CUDA run MLX's formats).
+# layers and head with one scale per row. "auto": the GGUF in place where the folder came from
+# one that is still there, else exact. Other backends ignore it (Metal and CUDA run MLX's
+# formats).
 CPU_WEIGHTS = ("auto", "gguf", "exact", "int8")
 
 
@@ -221,10 +221,11 @@ def _stored_weights(path: Path, in_place: bool | None, explicit_forms: bool) -> 
     from rewind.models.gguf_file import GgufError
     from rewind.models.gguf_weights import stored_weights
 
-    # "auto" keeps the folder's weights for now: int8 activations turn attention's float-order
-    # differences past a sliding window (a rotated cache sums keys in another order) into
-    # different roundings, so a cached answer would not always be the uncached one (issue 25).
-    if not in_place or not is_cpu_backend() or explicit_forms and in_place is None:
+    # "auto" reads the GGUF in place where the folder came from one. Its int8 activations turn
+    # any float-order difference into another rounding; the kernels give each row the same bits
+    # in any chunking, batch or cache layout (attention.c sums keys in order of position), so a
+    # cached answer is the uncached one here too (tests/test_prompt_cache_equivalence.py).
+    if in_place is False or not is_cpu_backend() or explicit_forms and in_place is None:
         return None
     source = gguf_source(path)
     if source is None:

@@ -11,8 +11,16 @@
 
    Grouped-query attention: the `heads / kv_heads` query heads that share a key/value head are
    one work item, so each key block is read once for all of them. A work item is (batch row,
-   kv head, block of query positions, key range); with few items (decode: one query position)
-   the keys are split into ranges whose partial softmax sums are combined at the end.
+   kv head, block of query positions, range of spans); with few items (decode: one query
+   position) the spans are split over several items and merged at the end.
+
+   Same bits however the work came: keys are visited in order of absolute position (a sliding
+   window's ring buffer is read from its oldest key), in blocks at multiples of KB, and every
+   SPAN of positions is its own partial softmax, merged into the row in span order by one
+   function. So a row's output does not depend on the chunk it came in, on whether it was a
+   decode step or part of a prefill, on the other rows of the call or on the thread count. The
+   GGUF block kernels quantize activations to int8, which turns any rounding difference into a
+   different answer: this is what lets a cached, chunked or batched run give the uncached one's.
 
    Masks: none, causal (aligned to the last key, as MLX's "causal"), a boolean array (false =
    masked, as MLX's where(mask, scores, finfo.min)) or an additive float array, each with
@@ -41,18 +49,25 @@ typedef struct {
   float scale;
   int64_t kv_form; /* FORM_F32 or FORM_BF16 */
   int64_t threads;
+  /* [B] each: the absolute position of a row's oldest key and its buffer index (the buffer
+     wraps around S), or NULL for 0 (keys in order from position 0). Keys are visited in order
+     of position, so chunked and whole calls round alike. */
+  const int64_t *kpos, *krot;
 } Attention;
 
 #define KB 64       /* keys per block */
 #define ROWS_MAX 32 /* query rows (positions x heads of one group) per work item */
-#define SPLIT_MIN 256 /* keys per split at least */
+#define SPAN 256    /* positions per partial softmax; a multiple of KB */
 
 typedef struct {
   const Attention *a;
-  int64_t rep, per_block, qblocks, splits, rows_max;
-  float *part_m, *part_l, *part_acc; /* per (item, row) when splits > 1 */
-  uint8_t *written;                  /* per output row: some key was seen */
-  _Atomic int failed;                /* a work item could not get its scratch */
+  int64_t rep, per_block, qblocks, rows_max;
+  int64_t spans;     /* spans of SPAN positions the widest batch row's keys touch */
+  int64_t splits;    /* work items per (batch row, kv head, query block) */
+  int64_t per_split; /* spans per split */
+  float *part;       /* when splits > 1: per (group, span, row) m, l and acc[D] */
+  uint8_t *written;  /* per output row: some key was seen */
+  _Atomic int failed; /* a work item could not get its scratch */
 } Plan;
 
 static inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
@@ -133,35 +148,78 @@ static inline int mask_allows(const Attention *a, int64_t b, int64_t head, int64
   return ((const uint8_t *)a->mask)[b * ms[0] + head * ms[1] + i * ms[2] + j * ms[3]] != 0;
 }
 
+static inline int64_t floordiv(int64_t x, int64_t y) { return x >= 0 ? x / y : -((-x + y - 1) / y); }
+
+/* The absolute position of row b's oldest key, and the buffer index of key t (t = 0 the oldest),
+   for a cache whose buffer wraps around (a sliding window's ring). */
+static inline int64_t first_position(const Attention *a, int64_t b) {
+  return a->kpos ? a->kpos[b] : 0;
+}
+static inline int64_t buffer_index(const Attention *a, int64_t b, int64_t t) {
+  if (!a->krot) return t;
+  int64_t j = a->krot[b] + t;
+  return j >= a->S ? j - a->S : j;
+}
+
+/* Merges one span's partial softmax (m, l, acc) into the running (M, L, Acc) of a row. One
+   compiled body (noinline) serves the merge inside a work item and the merge of split items, so
+   both round alike: a row's result does not depend on how the keys were split over threads. */
+static __attribute__((noinline)) void merge_span(float *M, float *Lsum, float *Acc, float m,
+                                                 float l, const float *acc, int64_t D) {
+  if (m == -INFINITY) return;
+  if (*M == -INFINITY) {
+    *M = m;
+    *Lsum = l;
+    memcpy(Acc, acc, (size_t)D * 4);
+    return;
+  }
+  float best = m > *M ? m : *M;
+  float wa = expf(*M - best), wb = expf(m - best);
+  *Lsum = *Lsum * wa + l * wb;
+  for (int64_t d = 0; d < D; ++d) Acc[d] = Acc[d] * wa + acc[d] * wb;
+  *M = best;
+}
+
+static __attribute__((noinline)) void write_row(float *dst, const float *Acc, float Lsum,
+                                                int64_t D) {
+  float inv = 1.0f / Lsum;
+  for (int64_t d = 0; d < D; ++d) dst[d] = Acc[d] * inv;
+}
+
+/* One work item: query rows [q0, q0 + nq) x the heads of kv head g of batch row b, over its
+   share of the spans. The keys are visited in order of absolute position, in blocks of KB at
+   multiples of KB, each SPAN of positions as its own partial softmax merged in span order: a
+   row's result is then the same bits whether the keys came in one call or in chunks, from a
+   ring buffer or in order, in a decode step or in a prefill, alone or batched. */
 static void attention_item(const void *arg, int64_t item) {
   const Plan *plan = (const Plan *)arg;
   const Attention *a = plan->a;
   const int64_t D = a->D, rep = plan->rep, L = a->L, S = a->S;
   const int form = (int)a->kv_form;
-  int64_t split = item % plan->splits, rest = item / plan->splits;
-  int64_t qb = rest % plan->qblocks, bg = rest / plan->qblocks;
+  int64_t split = item % plan->splits, group = item / plan->splits;
+  int64_t qb = group % plan->qblocks, bg = group / plan->qblocks;
   int64_t g = bg % a->kv_heads, b = bg / a->kv_heads;
   int64_t q0 = qb * plan->per_block, nq = min64(plan->per_block, L - q0);
   int64_t rows = nq * rep, rows_pad = (rows + 3) & ~(int64_t)3;
 
-  /* Keys this item can see: causal rules out keys past the block's last position. */
-  int64_t kend = S;
-  if (a->mask_kind == MASK_CAUSAL) kend = min64(S, q0 + nq - 1 + (S - L) + 1);
-  int64_t span = (kend + plan->splits - 1) / plan->splits;
-  span = (span + KB - 1) / KB * KB;
-  int64_t k_lo = min64(kend, split * span), k_hi = min64(kend, k_lo + span);
+  /* Keys present: positions [pos0, pos_end); causal rules out those past the last query. */
+  const int64_t pos0 = first_position(a, b), last_query0 = pos0 + (S - L);
+  int64_t pos_end = pos0 + S;
+  if (a->mask_kind == MASK_CAUSAL) pos_end = min64(pos_end, last_query0 + q0 + nq);
+  const int64_t span0 = floordiv(pos0, SPAN);
+  const int64_t k_lo = split * plan->per_split, k_hi = min64(plan->spans, k_lo + plan->per_split);
 
   /* aligned_alloc takes a size that is a multiple of the alignment (C11; ASan enforces it). */
-  size_t bytes = (size_t)(rows_pad * D * 2 + rows_pad * KB + rows_pad * 3) * 4;
+  size_t bytes = (size_t)(rows_pad * D * 3 + rows_pad * KB + rows_pad * 4) * 4;
   float *q = aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (!q) { /* out of memory: the caller reports it, nothing is written */
     atomic_store_explicit((_Atomic int *)&plan->failed, 1, memory_order_relaxed);
     return;
   }
-  float *acc = q + rows_pad * D, *s = acc + rows_pad * D, *m = s + rows_pad * KB;
-  float *l = m + rows_pad, *seen = l + rows_pad;
-  memset(q, 0, (size_t)(rows_pad * D * 2) * 4);
-  for (int64_t r = 0; r < rows_pad; ++r) { m[r] = -INFINITY; l[r] = 0.f; seen[r] = 0.f; }
+  float *acc = q + rows_pad * D, *Acc = acc + rows_pad * D, *s = Acc + rows_pad * D;
+  float *m = s + rows_pad * KB, *l = m + rows_pad, *M = l + rows_pad, *Lsum = M + rows_pad;
+  memset(q, 0, (size_t)(rows_pad * D) * 4);
+  for (int64_t r = 0; r < rows_pad; ++r) { M[r] = -INFINITY; Lsum[r] = 0.f; }
   for (int64_t r = 0; r < rows; ++r) {
     int64_t i = q0 + r / rep, head = g * rep + r % rep;
     const float *src = a->q + b * a->qs[0] + head * a->qs[1] + i * a->qs[2];
@@ -169,78 +227,89 @@ static void attention_item(const void *arg, int64_t item) {
   }
 
   const void *keys[KB], *values[KB];
-  for (int64_t j0 = k_lo; j0 < k_hi; j0 += KB) {
-    int64_t n = min64(KB, k_hi - j0);
-    if (a->mask_kind == MASK_BOOL) { /* skip a block no row may see */
-      int any = 0;
-      for (int64_t r = 0; r < rows && !any; ++r)
-        for (int64_t j = 0; j < n && !any; ++j)
-          any = mask_allows(a, b, g * rep + r % rep, q0 + r / rep, j0 + j);
-      if (!any) continue;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      keys[j] = kv_at(a->k, form, a->ks, b, g, j0 + j);
-      values[j] = kv_at(a->v, form, a->vs, b, g, j0 + j);
-    }
-    block_scores(q, keys, form, rows_pad, n, D, s);
-    for (int64_t r = 0; r < rows_pad; ++r) {
-      float *sr = s + r * KB;
-      if (r >= rows) { memset(sr, 0, KB * sizeof(float)); continue; }
-      int64_t i = q0 + r / rep, head = g * rep + r % rep;
-      if (a->mask_kind == MASK_CAUSAL) {
-        int64_t limit = i + (S - L);
-        for (int64_t j = 0; j < n; ++j)
-          if (j0 + j > limit) sr[j] = -INFINITY;
-      } else if (a->mask_kind == MASK_BOOL) {
-        for (int64_t j = 0; j < n; ++j)
-          if (!mask_allows(a, b, head, i, j0 + j)) sr[j] = -INFINITY;
-      } else if (a->mask_kind == MASK_ADD) {
-        const int64_t *ms = a->ms;
-        const float *mr = (const float *)a->mask + b * ms[0] + head * ms[1] + i * ms[2];
-        for (int64_t j = 0; j < n; ++j) sr[j] += mr[(j0 + j) * ms[3]];
+  for (int64_t k = k_lo; k < k_hi; ++k) {
+    const int64_t p0 = (span0 + k) * SPAN, p1 = min64(p0 + SPAN, pos_end);
+    memset(acc, 0, (size_t)(rows_pad * D) * 4);
+    for (int64_t r = 0; r < rows_pad; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+    for (int64_t P = p0 > pos0 ? p0 : floordiv(pos0, KB) * KB; P < p1; P += KB) {
+      /* Columns [c_lo, c_hi) of this block hold keys; the others are -inf, as if masked. */
+      const int64_t c_lo = pos0 > P ? pos0 - P : 0, c_hi = min64(KB, p1 - P);
+      if (c_lo >= c_hi) continue;
+      const int64_t n = c_hi - c_lo;
+      int64_t at[KB]; /* buffer index of each present key */
+      for (int64_t c = 0; c < n; ++c) at[c] = buffer_index(a, b, P + c_lo + c - pos0);
+      if (a->mask_kind == MASK_BOOL) { /* skip a block no row may see */
+        int any = 0;
+        for (int64_t r = 0; r < rows && !any; ++r)
+          for (int64_t c = 0; c < n && !any; ++c)
+            any = mask_allows(a, b, g * rep + r % rep, q0 + r / rep, at[c]);
+        if (!any) continue;
       }
-      float best = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) best = sr[j] > best ? sr[j] : best;
-      if (best == -INFINITY) { memset(sr, 0, KB * sizeof(float)); continue; }
-      float m_new = best > m[r] ? best : m[r];
-      float corr = expf(m[r] - m_new); /* 0 while nothing was seen */
-      float sum = 0.f;
-      int64_t j = 0;
-      vf vm = SET1(m_new), vs = ZERO();
-      for (; j + VW <= n; j += VW) {
-        vf e = vexp(SUB(LDF(sr + j), vm));
-        STF(sr + j, e);
-        vs = ADD(vs, e);
+      for (int64_t c = 0; c < n; ++c) {
+        keys[c] = kv_at(a->k, form, a->ks, b, g, at[c]);
+        values[c] = kv_at(a->v, form, a->vs, b, g, at[c]);
       }
-      sum = hsum(vs);
-      for (; j < n; ++j) { sr[j] = expf(sr[j] - m_new); sum += sr[j]; }
-      for (j = n; j < KB; ++j) sr[j] = 0.f;
-      if (corr != 1.0f) {
-        float *ar = acc + r * D;
-        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      block_scores(q, keys, form, rows_pad, n, D, s + c_lo);
+      for (int64_t r = 0; r < rows_pad; ++r) {
+        float *sr = s + r * KB;
+        if (r >= rows) { memset(sr, 0, KB * sizeof(float)); continue; }
+        for (int64_t c = 0; c < c_lo; ++c) sr[c] = -INFINITY;
+        for (int64_t c = c_hi; c < KB; ++c) sr[c] = -INFINITY;
+        int64_t i = q0 + r / rep, head = g * rep + r % rep;
+        if (a->mask_kind == MASK_CAUSAL) {
+          int64_t limit = last_query0 + i;
+          for (int64_t c = c_lo; c < c_hi; ++c)
+            if (P + c > limit) sr[c] = -INFINITY;
+        } else if (a->mask_kind == MASK_BOOL) {
+          for (int64_t c = c_lo; c < c_hi; ++c)
+            if (!mask_allows(a, b, head, i, at[c - c_lo])) sr[c] = -INFINITY;
+        } else if (a->mask_kind == MASK_ADD) {
+          const int64_t *ms = a->ms;
+          const float *mr = (const float *)a->mask + b * ms[0] + head * ms[1] + i * ms[2];
+          for (int64_t c = c_lo; c < c_hi; ++c) sr[c] += mr[at[c - c_lo] * ms[3]];
+        }
+        float best = -INFINITY;
+        for (int64_t c = 0; c < KB; ++c) best = sr[c] > best ? sr[c] : best;
+        if (best == -INFINITY) { memset(sr, 0, KB * sizeof(float)); continue; }
+        float m_new = best > m[r] ? best : m[r];
+        float corr = expf(m[r] - m_new); /* 0 while nothing was seen */
+        /* The whole block in vectors (vexp gives exactly 0 for -inf): each key's exponential
+           and its lane of the sum do not depend on how many keys the block held. */
+        vf vm = SET1(m_new), vs = ZERO();
+        for (int64_t c = 0; c < KB; c += VW) {
+          vf e = vexp(SUB(LDF(sr + c), vm));
+          STF(sr + c, e);
+          vs = ADD(vs, e);
+        }
+        float sum = hsum(vs);
+        if (corr != 1.0f) {
+          float *ar = acc + r * D;
+          for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+        }
+        l[r] = l[r] * corr + sum;
+        m[r] = m_new;
       }
-      l[r] = l[r] * corr + sum;
-      m[r] = m_new;
-      seen[r] = 1.f;
+      block_values(s + c_lo, values, form, rows_pad, n, D, acc);
     }
-    block_values(s, values, form, rows_pad, n, D, acc);
+    if (plan->splits > 1) {
+      float *part = plan->part + (group * plan->spans + k) * plan->rows_max * (D + 2);
+      for (int64_t r = 0; r < rows; ++r, part += D + 2) {
+        part[0] = m[r];
+        part[1] = l[r];
+        memcpy(part + 2, acc + r * D, (size_t)D * 4);
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) merge_span(M + r, Lsum + r, Acc + r * D, m[r], l[r],
+                                                    acc + r * D, D);
+    }
   }
 
-  if (plan->splits > 1) {
-    int64_t base = item * plan->rows_max;
+  if (plan->splits == 1) {
     for (int64_t r = 0; r < rows; ++r) {
-      plan->part_m[base + r] = seen[r] != 0.f ? m[r] : -INFINITY;
-      plan->part_l[base + r] = l[r];
-      memcpy(plan->part_acc + (base + r) * D, acc + r * D, (size_t)D * 4);
-    }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
+      if (M[r] == -INFINITY) continue; /* every key masked: the caller fills it */
       int64_t i = q0 + r / rep, head = g * rep + r % rep;
-      float *dst = a->out + b * a->os[0] + head * a->os[1] + i * a->os[2];
-      if (seen[r] == 0.f) continue; /* every key masked: the caller fills it */
       plan->written[(b * a->heads + head) * L + i] = 1;
-      float inv = 1.0f / l[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      write_row(a->out + b * a->os[0] + head * a->os[1] + i * a->os[2], Acc + r * D, Lsum[r], D);
     }
   }
   free(q);
@@ -264,63 +333,65 @@ int attention(const Attention *a) {
       a->D % VW || a->qs[3] != 1 || a->ks[3] != 1 || a->vs[3] != 1 || a->os[3] != 1 ||
       (a->kv_form != FORM_F32 && a->kv_form != FORM_BF16))
     return -1;
+  for (int64_t b = 0; a->krot && b < a->B; ++b)
+    if (a->krot[b] < 0 || a->krot[b] >= a->S) return -1;
   Plan plan = {.a = a, .rep = a->heads / a->kv_heads};
   plan.per_block = plan.rep >= ROWS_MAX ? 1 : ROWS_MAX / plan.rep;
   if (plan.per_block > a->L) plan.per_block = a->L;
   plan.qblocks = (a->L + plan.per_block - 1) / plan.per_block;
   plan.rows_max = plan.per_block * plan.rep;
-  int64_t items = a->B * a->kv_heads * plan.qblocks, threads = a->threads < 1 ? 1 : a->threads;
-  plan.splits = 1;
-  if (items < 2 * threads && a->S >= 2 * SPLIT_MIN) {
-    plan.splits = (2 * threads + items - 1) / items;
-    if (plan.splits > a->S / SPLIT_MIN) plan.splits = a->S / SPLIT_MIN;
+  plan.spans = 1;
+  for (int64_t b = 0; b < a->B; ++b) {
+    int64_t first = first_position(a, b);
+    int64_t spans = floordiv(first + a->S - 1, SPAN) - floordiv(first, SPAN) + 1;
+    if (spans > plan.spans) plan.spans = spans;
   }
-  int64_t total = items * plan.splits;
+  int64_t groups = a->B * a->kv_heads * plan.qblocks, threads = a->threads < 1 ? 1 : a->threads;
+  plan.splits = 1;
+  if (groups < 2 * threads && plan.spans >= 2) {
+    plan.splits = (2 * threads + groups - 1) / groups;
+    if (plan.splits > plan.spans) plan.splits = plan.spans;
+  }
+  plan.per_split = (plan.spans + plan.splits - 1) / plan.splits;
+  plan.splits = (plan.spans + plan.per_split - 1) / plan.per_split;
   if (plan.splits > 1) {
-    plan.part_m = malloc((size_t)(total * plan.rows_max * (2 + a->D)) * 4);
-    if (!plan.part_m) return -2;
-    plan.part_l = plan.part_m + total * plan.rows_max;
-    plan.part_acc = plan.part_l + total * plan.rows_max;
+    plan.part = malloc((size_t)(groups * plan.spans * plan.rows_max * (a->D + 2)) * 4);
+    if (!plan.part) return -2;
+    /* Spans no item reaches (past a causal block's last query) read as empty. */
+    for (int64_t at = 0; at < groups * plan.spans * plan.rows_max; ++at)
+      plan.part[at * (a->D + 2)] = -INFINITY;
   }
   plan.written = calloc((size_t)(a->B * a->heads * a->L), 1);
-  if (!plan.written) { free(plan.part_m); return -2; }
-  run_blocks(attention_item, &plan, total, (int)threads);
+  if (!plan.written) { free(plan.part); return -2; }
+  run_blocks(attention_item, &plan, groups * plan.splits, (int)threads);
   if (atomic_load_explicit(&plan.failed, memory_order_relaxed)) {
-    free(plan.part_m);
+    free(plan.part);
     free(plan.written);
     return -2;
   }
 
   if (plan.splits > 1) {
-    for (int64_t it = 0; it < items; ++it) {
-      int64_t qb = it % plan.qblocks, bg = it / plan.qblocks;
+    float *Acc = malloc((size_t)a->D * 4);
+    if (!Acc) { free(plan.part); free(plan.written); return -2; }
+    for (int64_t group = 0; group < groups; ++group) {
+      int64_t qb = group % plan.qblocks, bg = group / plan.qblocks;
       int64_t g = bg % a->kv_heads, b = bg / a->kv_heads;
       int64_t q0 = qb * plan.per_block, nq = min64(plan.per_block, a->L - q0);
       for (int64_t r = 0; r < nq * plan.rep; ++r) {
         int64_t i = q0 + r / plan.rep, head = g * plan.rep + r % plan.rep;
-        float *dst = a->out + b * a->os[0] + head * a->os[1] + i * a->os[2];
-        float best = -INFINITY;
-        for (int64_t sp = 0; sp < plan.splits; ++sp) {
-          float mv = plan.part_m[(it * plan.splits + sp) * plan.rows_max + r];
-          best = mv > best ? mv : best;
+        float M = -INFINITY, Lsum = 0.f;
+        for (int64_t k = 0; k < plan.spans; ++k) {
+          const float *part =
+              plan.part + ((group * plan.spans + k) * plan.rows_max + r) * (a->D + 2);
+          merge_span(&M, &Lsum, Acc, part[0], part[1], part + 2, a->D);
         }
-        if (best == -INFINITY) continue;
+        if (M == -INFINITY) continue;
         plan.written[(b * a->heads + head) * a->L + i] = 1;
-        float total_l = 0.f;
-        for (int64_t d = 0; d < a->D; ++d) dst[d] = 0.f;
-        for (int64_t sp = 0; sp < plan.splits; ++sp) {
-          int64_t at = (it * plan.splits + sp) * plan.rows_max + r;
-          if (plan.part_m[at] == -INFINITY) continue;
-          float w = expf(plan.part_m[at] - best);
-          total_l += plan.part_l[at] * w;
-          const float *pa = plan.part_acc + at * a->D;
-          for (int64_t d = 0; d < a->D; ++d) dst[d] += pa[d] * w;
-        }
-        float inv = 1.0f / total_l;
-        for (int64_t d = 0; d < a->D; ++d) dst[d] *= inv;
+        write_row(a->out + b * a->os[0] + head * a->os[1] + i * a->os[2], Acc, Lsum, a->D);
       }
     }
-    free(plan.part_m);
+    free(Acc);
+    free(plan.part);
   }
   for (int64_t bh = 0; bh < a->B * a->heads; ++bh)
     for (int64_t i = 0; i < a->L; ++i) {
