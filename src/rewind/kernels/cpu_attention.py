@@ -20,15 +20,9 @@ import numpy as np
 
 from rewind import env
 from rewind.kernels import boundary, native
+from rewind.kernels.host_view import host_view
 
 _KV_FORMS = {mx.float32: native.FORM_F32, mx.bfloat16: native.FORM_BF16}
-
-
-def _host(array: mx.array) -> np.ndarray:
-    """A NumPy view of an evaluated MLX array (bf16 seen as uint16), no copy."""
-    if array.dtype == mx.bfloat16:
-        array = array.view(mx.uint16)
-    return np.asarray(array)
 
 
 def _mask_arguments(mask: Any, shape: tuple[int, int, int, int]) -> tuple[int, Any]:
@@ -98,10 +92,10 @@ def attention_into(queries: np.ndarray, keys: mx.array, values: mx.array, scale:
     mx.eval(keys, values, *([] if mask_array is None else [mask_array]))
     # Views of the evaluated MLX arrays, held in this frame (with the arrays they view) until
     # the kernel returns: the boundary checks each against what the kernel indexes.
-    k, v = _host(keys), _host(values)
+    k, v = host_view(keys), host_view(values)
     if k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize:
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-    m = None if mask_array is None else _host(mask_array)
+    m = None if mask_array is None else host_view(mask_array)
     layout = None if cache is None else key_layout(cache, batch, total)
     return boundary.kernels().attention(queries, k, v, _KV_FORMS[keys.dtype], m, kind, out,
                                         scale, threads or native.kernel_threads(), layout)
@@ -117,7 +111,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         return None
     queries = queries.astype(mx.float32)
     mx.eval(queries)
-    q = _host(queries)
+    q = host_view(queries)
     if q.strides[-1] != q.itemsize:
         q = np.ascontiguousarray(q)
     out = np.empty(queries.shape, np.float32)

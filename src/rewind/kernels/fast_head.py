@@ -23,7 +23,7 @@ from rewind.kernels.object_table import ObjectTable
 from rewind.kernels.boundary import Kernels, MatrixArgs, kernels
 from rewind.kernels.model_split import split_model
 from rewind.kernels.native import FORMS, int8_rows, kernel_threads
-from rewind.kernels.native_forward import host_view
+from rewind.kernels.host_view import host_view
 from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
 
 HeadForm = Literal["bf16", "int8", "gguf"]

@@ -45,6 +45,7 @@ import numpy as np
 from rewind.kernels import native
 from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
 from rewind.kernels.cpu_attention import attention_into
+from rewind.kernels.host_view import host_view
 from rewind.kernels.model_split import forget_split, split_model
 from rewind.kernels.object_table import ObjectTable
 from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
@@ -102,12 +103,6 @@ def _is_bf16_exact(arrays: list[mx.array]) -> bool:
         if not bool(mx.array_equal(array, array.astype(mx.bfloat16).astype(array.dtype)).item()):
             return False
     return True
-
-
-def host_view(array: mx.array) -> np.ndarray:
-    """A NumPy view of an evaluated MLX array, no copy (bf16 is seen as uint16)."""
-    mx.eval(array)
-    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 
 class _Matrix:
