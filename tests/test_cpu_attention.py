@@ -108,6 +108,49 @@ def test_the_same_bits_in_any_chunking_thread_count_or_ring_rotation(window) -> 
         assert differing.size == 0, f"{chunks[:4]}... on {threads} threads: positions {differing[:8]}"
 
 
+@pytest.mark.parametrize("kind", ["rotating", "growing", "mlx-lm"])
+def test_a_decode_step_reads_the_cache_before_its_update_plus_its_own_rows(kind) -> None:
+    """decode_attention_into (the native forward's one-token step) leaves the cache's update
+    to be evaluated later and reads the buffers as they were plus the new rows: the same bits
+    as updating first, through a sliding window's wrap and a growing cache's copies, and the
+    same cache afterwards. A prefill's over-long ring (its front is trimmed by the next
+    update, so indices move) takes the other path."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from rewind.cache.kv import GrowingKVCache
+    from rewind.kernels.cpu_attention import attention_into, decode_attention_into
+
+    def make():
+        return {"rotating": lambda: RotatingKVCache(max_size=128),
+                "growing": GrowingKVCache, "mlx-lm": KVCache}[kind]()
+
+    rng = np.random.default_rng(3)
+    steps = 300
+    q = rng.standard_normal((steps, 1, 4, 1, 64)).astype(np.float32)
+    kv = [(mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)).astype(mx.bfloat16),
+           mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)).astype(mx.bfloat16))
+          for _ in range(steps)]
+    prompt = mx.array(rng.standard_normal((1, 2, 150, 64)).astype(np.float32)).astype(mx.bfloat16)
+    lazy, eager = make(), make()
+    for cache in (lazy, eager):
+        mx.eval(cache.update_and_fetch(prompt, prompt))
+    took_the_lazy_path = 0
+    for step in range(steps):
+        got, want = np.empty_like(q[step]), np.empty_like(q[step])
+        if decode_attention_into(q[step], *kv[step], lazy, 0.125, None, got, threads=2):
+            took_the_lazy_path += 1
+            mx.async_eval([lazy.keys, lazy.values])
+        else:
+            keys, values = lazy.update_and_fetch(*kv[step])
+            assert attention_into(q[step], keys, values, 0.125, None, got, 2, cache=lazy)
+        keys, values = eager.update_and_fetch(*kv[step])
+        assert attention_into(q[step], keys, values, 0.125, None, want, 2, cache=eager)
+        assert np.array_equal(got, want), f"step {step}"
+    assert took_the_lazy_path >= steps - 1  # all but the first step after the prefill's ring
+    assert lazy.offset == eager.offset
+    assert mx.array_equal(lazy.keys, eager.keys) and mx.array_equal(lazy.values, eager.values)
+
+
 def test_bf16_keys_and_values() -> None:
     assert_matches_mlx(*inputs(1, 4, 1, 64, 300, 256, kv_dtype=mx.bfloat16), "causal")
 

@@ -130,6 +130,21 @@ def test_attention_checks_its_views_and_mask() -> None:
                        ((np.array([0], np.int32), np.array([0], np.int64)), "positions")):
         with pytest.raises(KernelCallError, match=match):
             kernels.attention(q, k, k, native.FORM_F32, None, native.MASK_NONE, out, 0.1, 2, bad)
+    # A tail: the last keys come from their own arrays, the rest from buffers of any length
+    # that must hold every slot the layout reads.
+    tail = rng.standard_normal((1, 1, 1, dim)).astype(np.float32)
+    assert kernels.attention(q, k, k, native.FORM_F32, None, native.MASK_NONE, out, 0.1, 2,
+                             None, (tail, tail), 6)
+    rotated = (np.array([0], np.int64), np.array([2], np.int64))
+    tail2 = np.concatenate([tail, tail], axis=2)
+    for layout, pair, keys, match in ((None, None, 6, "without a tail"),
+                                      (None, (tail, tail[:, :, :0]), 6, "tail values"),
+                                      (None, (tail, tail), 7, "slot 5"),
+                                      (rotated, (tail, tail), 6, "slot 5"),
+                                      (None, (tail2, tail2), 1, "tail of 2 keys of 1")):
+        with pytest.raises(KernelCallError, match=match):
+            kernels.attention(q, k, k, native.FORM_F32, None, native.MASK_NONE, out, 0.1, 2,
+                              layout, pair, keys)
 
 
 def test_gated_delta_checks_heads_and_state() -> None:

@@ -318,17 +318,22 @@ class Kernels:
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_form: int,
                   mask: np.ndarray | None, mask_kind: int, out: np.ndarray, scale: float,
-                  threads: int, layout: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
+                  threads: int, layout: tuple[np.ndarray, np.ndarray] | None = None,
+                  tail: tuple[np.ndarray, np.ndarray] | None = None,
+                  keys: int | None = None) -> bool:
         """out [B, heads, L, D] = softmax(scale q k^T + mask) v; q, out float32 and k, v
         [B, kv_heads, S, D] in `kv_form`, each with any strides whose last is one. `layout`:
         per batch row, the absolute position of its oldest key and that key's buffer index
         (int64 [B] each; see cpu_attention.key_layout), or None for keys in order from 0.
-        False where the kernel does not take the shapes (e.g. a head size its vectors do not
-        divide)."""
+        `tail`: the last keys and values [B, kv_heads, n, D], read from these arrays instead
+        of k and v, which then hold `keys` - n of the `keys` keys (the mask's last axis) in
+        buffers of any length. False where the kernel does not take the shapes (e.g. a head
+        size its vectors do not divide)."""
         if getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4:
             raise KernelCallError("attention: q and k must be [B, heads, L, D] arrays")
         batch, heads, length, dim = q.shape
-        kv_heads, total = k.shape[1], k.shape[2]
+        kv_heads, slots = k.shape[1], k.shape[2]
+        total = slots if keys is None else keys
         if min(batch, heads, length, dim, kv_heads, total) < 1 or heads % kv_heads:
             raise KernelCallError(f"attention: q {q.shape} against k {k.shape}")
         if dim % self.vector_width or kv_form not in _KV_DTYPES:
@@ -347,14 +352,16 @@ class Kernels:
             raise KernelCallError(f"attention: unknown mask kind {mask_kind}")
         args = native.Attention(
             q=checked(q, "q", _F32, (batch, heads, length, dim), strided=True),
-            k=checked(k, "k", kv_dtype, (batch, kv_heads, total, dim), strided=True),
-            v=checked(v, "v", kv_dtype, (batch, kv_heads, total, dim), strided=True),
+            k=checked(k, "k", kv_dtype, (batch, kv_heads, slots, dim), strided=True),
+            v=checked(v, "v", kv_dtype, (batch, kv_heads, slots, dim), strided=True),
             qs=element_strides(q), ks=element_strides(k), vs=element_strides(v),
             mask=mask_pointer, ms=mask_strides, mask_kind=mask_kind,
             out=checked(out, "out", _F32, (batch, heads, length, dim), writes=True,
                         strided=True),
             os=element_strides(out), B=batch, heads=heads, kv_heads=kv_heads, L=length,
-            S=total, D=dim, scale=float(scale), kv_form=kv_form, threads=max(1, threads))
+            S=total, D=dim, scale=float(scale), kv_form=kv_form, threads=max(1, threads),
+            S_buf=slots)
+        rotations = [0] * batch
         if layout is not None:
             first, rotation = layout
             args.kpos = checked(first, "key positions", _I64, (batch,))
@@ -362,6 +369,25 @@ class Kernels:
             if rotation.min() < 0 or rotation.max() >= total or np.abs(first).max() >= 1 << 60:
                 raise KernelCallError(f"attention: key rotation {rotation} outside [0, {total}) "
                                       f"or positions {first} out of range")
+            rotations = rotation.tolist()
+        tail_length = 0
+        if tail is not None:
+            tail_keys, tail_values = tail
+            tail_length = int(tail_keys.shape[2]) if getattr(tail_keys, "ndim", 0) == 4 else -1
+            if not 0 < tail_length <= total:
+                raise KernelCallError(f"attention: a tail of {tail_length} keys of {total}")
+            shape = (batch, kv_heads, tail_length, dim)
+            args.tk = checked(tail_keys, "tail keys", kv_dtype, shape, strided=True)
+            args.tv = checked(tail_values, "tail values", kv_dtype, shape, strided=True)
+            args.ts, args.tvs = element_strides(tail_keys), element_strides(tail_values)
+            args.tail = tail_length
+        elif total != slots:
+            raise KernelCallError(f"attention: {total} keys in buffers of {slots} without a tail")
+        from_buffer = total - tail_length
+        for rotation in rotations:  # the buffer slots the kernel reads lie in k and v
+            last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < total else total - 1
+            if from_buffer and last >= slots:
+                raise KernelCallError(f"attention: key slot {last} of buffers of {slots}")
         status = self._library.attention(ctypes.byref(args))
         if status == -2:
             raise MemoryError("attention kernel: no memory for its scratch")

@@ -85,7 +85,10 @@ class Attention(ctypes.Structure):
                 ("L", ctypes.c_int64), ("S", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("kv_form", ctypes.c_int64),
                 ("threads", ctypes.c_int64),
-                ("kpos", ctypes.c_void_p), ("krot", ctypes.c_void_p)]
+                ("kpos", ctypes.c_void_p), ("krot", ctypes.c_void_p),
+                ("tail", ctypes.c_int64), ("S_buf", ctypes.c_int64),
+                ("tk", ctypes.c_void_p), ("tv", ctypes.c_void_p),
+                ("ts", Strides4), ("tvs", Strides4)]
 
 
 MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3

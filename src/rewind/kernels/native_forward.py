@@ -44,7 +44,7 @@ import numpy as np
 
 from rewind.kernels import native
 from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
-from rewind.kernels.cpu_attention import attention_into
+from rewind.kernels.cpu_attention import attention_into, decode_attention_into
 from rewind.kernels.host_view import host_view
 from rewind.kernels.model_split import forget_split, split_model
 from rewind.kernels.object_table import ObjectTable
@@ -517,6 +517,7 @@ class NativeForward:
         first_layer = min(block.done for block, _ in blocks)
         last_layer = max(stop for _, stop in blocks)
         members: list[RowsInFlight] = []  # the blocks whose rows `x` holds, in order
+        pending: list[mx.array] = []  # cache buffers whose update is queued, not evaluated
         x = np.empty((0, self.hidden_size), np.float32)
         for index in range(first_layer, last_layer):
             active = [block for block, stop in blocks if block.done <= index < stop]
@@ -537,14 +538,20 @@ class NativeForward:
             first = 0
             for block in members:
                 last = first + block.rows
-                self._attention(layer, block.cache[index] if block.cache else None,
-                                block.masks[layer.sliding], qkv[first:last],
-                                attended[first:last], block.batch, block.length)
+                layer_cache = block.cache[index] if block.cache else None
+                if self._attention(layer, layer_cache, block.masks[layer.sliding],
+                                   qkv[first:last], attended[first:last], block.batch,
+                                   block.length):
+                    pending += [layer_cache.keys, layer_cache.values]
                 first = last
             k.layer_post(layer.args, x, attended, scratch)
             for block in members:
                 block.done = index + 1
         _scatter(x, members)
+        # The decode steps' cache updates, all at once and off this thread: each layer's own
+        # evaluation cost ~70 us of MLX scheduling.
+        if pending:
+            mx.async_eval(pending)
 
     def finish(self, block: "RowsInFlight") -> mx.array:
         """The block's output [B, L, hidden] (final norm applied), once it passed every layer."""
@@ -556,9 +563,10 @@ class NativeForward:
 
     @staticmethod
     def _attention(layer: _NativeLayer, layer_cache: Any, mask: Any, qkv: np.ndarray,
-                   attended: np.ndarray, batch: int, length: int) -> None:
+                   attended: np.ndarray, batch: int, length: int) -> bool:
         """attended [rows, heads * D] = attention of the projected rows in `qkv`, after the new
-        keys and values went into the cache."""
+        keys and values went into the cache. True where the cache's update was left to
+        evaluate (a decode step: see cpu_attention.decode_attention_into)."""
         heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
         if qkv.shape != (batch * length, layer.width) or \
                 attended.shape != (batch * length, heads * dim):
@@ -568,18 +576,22 @@ class NativeForward:
         by_head = qkv.reshape(batch, length, heads + 2 * kv, dim).transpose(0, 2, 1, 3)
         keys = mx.array(by_head[:, heads:heads + kv], KV_DTYPE)
         values = mx.array(by_head[:, heads + kv:], KV_DTYPE)
-        if layer_cache is not None:
-            keys, values = layer_cache.update_and_fetch(keys, values)
         queries = by_head[:, :heads]
         out = attended.reshape(batch, length, heads, dim).transpose(0, 2, 1, 3)
+        if layer_cache is not None and decode_attention_into(queries, keys, values, layer_cache,
+                                                             layer.scale, mask, out):
+            return True
+        if layer_cache is not None:
+            keys, values = layer_cache.update_and_fetch(keys, values)
         if attention_into(queries, keys, values, layer.scale, mask, out, cache=layer_cache):
-            return
+            return False
         # MLX's attention, e.g. for a quantized KV cache.
         from mlx_lm.models.base import scaled_dot_product_attention
 
         result = scaled_dot_product_attention(mx.array(queries), keys, values, cache=layer_cache,
                                               scale=layer.scale, mask=mask)
         out[...] = np.asarray(result.astype(mx.float32))
+        return False
 
 
 def choose_form(backbone: Any, form: str) -> str:

@@ -53,6 +53,13 @@ typedef struct {
      wraps around S), or NULL for 0 (keys in order from position 0). Keys are visited in order
      of position, so chunked and whole calls round alike. */
   const int64_t *kpos, *krot;
+  /* The last `tail` keys and values (per row and kv head) read from tk / tv [B, kv_heads, tail,
+     D] (strides ts / tvs), the others from k / v, whose buffers hold `S_buf` slots: a decode
+     step reads the cache as it was before its update plus its own new rows, so the cache's
+     update need not be evaluated first. tail 0: every key from k / v (S_buf = S). */
+  int64_t tail, S_buf;
+  const void *tk, *tv;
+  int64_t ts[4], tvs[4];
 } Attention;
 
 #define KB 64       /* keys per block */
@@ -77,6 +84,20 @@ static inline const void *kv_at(const void *base, int form, const int64_t *st, i
   int64_t off = b * st[0] + g * st[1] + j * st[2];
   return form == FORM_BF16 ? (const void *)((const uint16_t *)base + off)
                            : (const void *)((const float *)base + off);
+}
+
+/* Logical key t of row b, kv head g (t = 0 the oldest): from the tail or the cache's buffer. */
+static inline const void *key_row(const Attention *a, int64_t b, int64_t g, int64_t t,
+                                  int64_t j) {
+  const int64_t from_tail = t - (a->S - a->tail);
+  return from_tail >= 0 ? kv_at(a->tk, (int)a->kv_form, a->ts, b, g, from_tail)
+                        : kv_at(a->k, (int)a->kv_form, a->ks, b, g, j);
+}
+static inline const void *value_row(const Attention *a, int64_t b, int64_t g, int64_t t,
+                                    int64_t j) {
+  const int64_t from_tail = t - (a->S - a->tail);
+  return from_tail >= 0 ? kv_at(a->tv, (int)a->kv_form, a->tvs, b, g, from_tail)
+                        : kv_at(a->v, (int)a->kv_form, a->vs, b, g, j);
 }
 
 static inline vf kv_load(const void *row, int form, int64_t d) {
@@ -246,8 +267,8 @@ static void attention_item(const void *arg, int64_t item) {
         if (!any) continue;
       }
       for (int64_t c = 0; c < n; ++c) {
-        keys[c] = kv_at(a->k, form, a->ks, b, g, at[c]);
-        values[c] = kv_at(a->v, form, a->vs, b, g, at[c]);
+        keys[c] = key_row(a, b, g, P + c_lo + c - pos0, at[c]);
+        values[c] = value_row(a, b, g, P + c_lo + c - pos0, at[c]);
       }
       block_scores(q, keys, form, rows_pad, n, D, s + c_lo);
       for (int64_t r = 0; r < rows_pad; ++r) {
@@ -318,8 +339,8 @@ static void attention_item(const void *arg, int64_t item) {
 /* The mean of the values: MLX's answer for a row whose every key is masked. */
 static void mean_values(const Attention *a, int64_t b, int64_t g, float *dst) {
   for (int64_t d = 0; d < a->D; ++d) dst[d] = 0.f;
-  for (int64_t j = 0; j < a->S; ++j) {
-    const void *row = kv_at(a->v, (int)a->kv_form, a->vs, b, g, j);
+  for (int64_t t = 0; t < a->S; ++t) {
+    const void *row = value_row(a, b, g, t, buffer_index(a, b, t));
     for (int64_t d = 0; d < a->D; ++d)
       dst[d] += a->kv_form == FORM_BF16 ? weight_at(row, FORM_BF16, d) : ((const float *)row)[d];
   }
@@ -333,8 +354,14 @@ int attention(const Attention *a) {
       a->D % VW || a->qs[3] != 1 || a->ks[3] != 1 || a->vs[3] != 1 || a->os[3] != 1 ||
       (a->kv_form != FORM_F32 && a->kv_form != FORM_BF16))
     return -1;
-  for (int64_t b = 0; a->krot && b < a->B; ++b)
-    if (a->krot[b] < 0 || a->krot[b] >= a->S) return -1;
+  if (a->tail < 0 || a->tail > a->S || a->S_buf < 0 ||
+      (a->tail > 0 && (!a->tk || !a->tv || a->ts[3] != 1 || a->tvs[3] != 1)))
+    return -1;
+  for (int64_t b = 0; b < a->B; ++b) { /* every key read from the buffer lies in it */
+    const int64_t rot = a->krot ? a->krot[b] : 0, n = a->S - a->tail;
+    if (rot < 0 || rot >= a->S) return -1;
+    if (n > 0 && (rot + n - 1 < a->S ? rot + n - 1 : a->S - 1) >= a->S_buf) return -1;
+  }
   Plan plan = {.a = a, .rep = a->heads / a->kv_heads};
   plan.per_block = plan.rep >= ROWS_MAX ? 1 : ROWS_MAX / plan.rep;
   if (plan.per_block > a->L) plan.per_block = a->L;
