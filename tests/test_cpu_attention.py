@@ -109,16 +109,23 @@ def test_the_same_bits_in_any_chunking_thread_count_or_ring_rotation(window) -> 
 
 
 @pytest.mark.parametrize("kind", ["rotating", "growing", "mlx-lm"])
-def test_a_decode_step_reads_the_cache_before_its_update_plus_its_own_rows(kind) -> None:
+def test_a_decode_step_reads_the_cache_before_its_update_plus_its_own_rows(kind, monkeypatch) -> None:
     """decode_attention_into (the native forward's one-token step) leaves the cache's update
     to be evaluated later and reads the buffers as they were plus the new rows: the same bits
     as updating first, through a sliding window's wrap and a growing cache's copies, and the
-    same cache afterwards. A prefill's over-long ring (its front is trimmed by the next
-    update, so indices move) takes the other path."""
+    same cache afterwards, with the layout it foresaw before the update (else it falls back
+    to updating first). A prefill's over-long ring (its front is trimmed by the next update,
+    so indices move) takes the other path."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     from rewind.cache.kv import GrowingKVCache
+    from rewind.kernels import cpu_attention
     from rewind.kernels.cpu_attention import attention_into, decode_attention_into
+
+    def not_foreseen(*args, **kwargs):
+        raise AssertionError("the cache moved otherwise than decode_attention_into foresaw")
+
+    monkeypatch.setattr(cpu_attention, "attention_into", not_foreseen)  # its fallback
 
     def make():
         return {"rotating": lambda: RotatingKVCache(max_size=128),

@@ -117,40 +117,60 @@ def _updates_in_place(cache: Any) -> bool:
     return type(cache) in (KVCache, GrowingKVCache)
 
 
+def _layout_after_one(cache: Any, batch: int) -> tuple[int, tuple[np.ndarray, np.ndarray]]:
+    """The keys a one-token update of `cache` (one `_updates_in_place` takes) will return, and
+    their layout (see `key_layout`), worked out before the update: the offset grows by one; a
+    ring writes at its next index, wrapping at max_size (mlx-lm's _update_in_place)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    offset = cache.offset + 1
+    if type(cache) is RotatingKVCache:
+        total = min(offset, cache.max_size)
+        index = cache._idx if cache._idx < cache.max_size else cache.keep
+        rotation = (index + 1) % total
+    else:
+        total, rotation = offset, 0
+    return total, (np.full(batch, offset - total, np.int64), np.full(batch, rotation, np.int64))
+
+
 def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: mx.array,
                           cache: Any, scale: float, mask: Any, out: np.ndarray,
                           threads: int | None = None) -> bool:
-    """A one-token step's attention without evaluating its cache update: the update is queued
-    (`cache.update_and_fetch`, lazy) and the kernel reads the cache's buffers as they were
-    before it, plus this step's own new keys and values. Evaluating each layer's update cost
-    an MLX evaluation, ~70 us on 2 cores, 18 times per token for Gemma 3 270M; the caller
-    evaluates every layer's update at once after the step (see NativeForward.advance). False
-    (nothing done, the cache untouched) where this does not apply: the caller then updates
-    and calls `attention_into`. Same bits as that path: the kernel reads the same bf16 rows."""
+    """A one-token step's attention without evaluating its cache update: the kernel reads the
+    cache's buffers as they are plus this step's own new keys and values, then the update is
+    queued (`cache.update_and_fetch`, lazy). Evaluating each layer's update first cost an MLX
+    evaluation, ~70 us on 2 cores, 18 times per token for Gemma 3 270M; the caller evaluates
+    every layer's update at once after the step (see NativeForward.advance). False (nothing
+    done, the cache untouched) where this does not apply: the caller then updates and calls
+    `attention_into`. Same bits as that path: the kernel reads the same bf16 rows."""
     if (queries.shape[2] != 1 or not _updates_in_place(cache)
             or not supported(queries, cache.keys, cache.values)
             or cache.keys.dtype != new_keys.dtype or new_keys.shape[2] != 1):
         return False
     batch, heads, length, _ = queries.shape
-    # Views of the buffers as they are now (evaluating what is pending: the first step after a
-    # prefill), taken before the update, which rewrites these arrays lazily. They are dropped
-    # on return, before the step's end evaluates the update (which may then reuse the buffer).
+    total, layout = _layout_after_one(cache, batch)
+    kind, mask_array = _mask_arguments(mask, (batch, heads, length, total))
+    # Views of the buffers as they are (evaluating what is pending: the first step after a
+    # prefill). No update of them is queued while the kernel reads them: it comes after.
     old_keys, old_values = host_view(cache.keys), host_view(cache.values)
     tail = (host_view(new_keys), host_view(new_values))
-    keys, values = cache.update_and_fetch(new_keys, new_values)
-    total = int(keys.shape[2])
-    kind, mask_array = _mask_arguments(mask, (batch, heads, length, total))
     m = None if mask_array is None else host_view(mask_array)
     done = boundary.kernels().attention(
         queries, old_keys, old_values, _KV_FORMS[new_keys.dtype], m, kind, out, scale,
-        threads or native.kernel_threads(), key_layout(cache, batch, total), tail, total)
-    if not done:  # shapes the kernel does not take: MLX's attention on the updated cache
-        from mlx_lm.models.base import scaled_dot_product_attention
+        threads or native.kernel_threads(), layout, tail, total)
+    del old_keys, old_values, tail, m
+    keys, values = cache.update_and_fetch(new_keys, new_values)
+    actual = key_layout(cache, batch, int(keys.shape[2]))
+    if not done or actual is None or int(keys.shape[2]) != total or any(
+            not np.array_equal(a, b) for a, b in zip(actual, layout)):
+        # Shapes the kernel does not take, or a cache that moved otherwise than foreseen
+        # (another mlx-lm): the usual path on the updated cache, whose answer stands.
+        if not attention_into(queries, keys, values, scale, mask, out, threads, cache):
+            from mlx_lm.models.base import scaled_dot_product_attention
 
-        del old_keys, old_values, tail
-        result = scaled_dot_product_attention(mx.array(queries), keys, values, cache=cache,
-                                              scale=scale, mask=mask)
-        out[...] = np.asarray(result.astype(mx.float32))
+            result = scaled_dot_product_attention(mx.array(queries), keys, values, cache=cache,
+                                                  scale=scale, mask=mask)
+            out[...] = np.asarray(result.astype(mx.float32))
     return True
 
 

@@ -107,7 +107,9 @@ static inline vf kv_load(const void *row, int form, int64_t d) {
 /* s[r][j] = q[r] . k[j] for rows [0, rows_pad) and keys [0, n) of the block (keys past n
    repeat the last one and are not stored). */
 static void block_scores(const float *q, const void *const *keys, int form, int64_t rows_pad,
-                         int64_t n, int64_t D, float *s) {
+                         int64_t n, int64_t D, float *s, const void *const *next_keys,
+                         const void *const *next_values, int64_t next_n) {
+  const int64_t elem = form == FORM_BF16 ? 2 : 4;
   for (int64_t r = 0; r < rows_pad; r += 4) {
     for (int64_t j = 0; j < n; j += 4) {
       const void *kr[4];
@@ -116,6 +118,14 @@ static void block_scores(const float *q, const void *const *keys, int form, int6
       for (int i = 0; i < 4; ++i)
         for (int t = 0; t < 4; ++t) acc[i][t] = ZERO();
       for (int64_t d = 0; d < D; d += VW) {
+        /* The next block's rows, a line at a time beside the first rows' products: a decode
+           step reads each layer's cache cold (the weights streamed through the caches since),
+           and the kernel waited on memory for 3-4x its compute. A prefetch never faults. */
+        if (r == 0 && (d * elem) % 64 == 0)
+          for (int t = 0; t < 4 && j + t < next_n; ++t) {
+            _mm_prefetch((const char *)next_keys[j + t] + d * elem, _MM_HINT_T0);
+            _mm_prefetch((const char *)next_values[j + t] + d * elem, _MM_HINT_T0);
+          }
         vf kv[4];
         for (int t = 0; t < 4; ++t) kv[t] = kv_load(kr[t], form, d);
         for (int i = 0; i < 4; ++i) {
@@ -270,7 +280,14 @@ static void attention_item(const void *arg, int64_t item) {
         keys[c] = key_row(a, b, g, P + c_lo + c - pos0, at[c]);
         values[c] = value_row(a, b, g, P + c_lo + c - pos0, at[c]);
       }
-      block_scores(q, keys, form, rows_pad, n, D, s + c_lo);
+      const int64_t next_n = min64(KB, p1 - P - KB); /* the next block's keys, to prefetch */
+      const void *next_keys[KB], *next_values[KB];
+      for (int64_t c = 0; c < next_n; ++c) {
+        const int64_t t = P + KB + c - pos0;
+        next_keys[c] = key_row(a, b, g, t, buffer_index(a, b, t));
+        next_values[c] = value_row(a, b, g, t, buffer_index(a, b, t));
+      }
+      block_scores(q, keys, form, rows_pad, n, D, s + c_lo, next_keys, next_values, next_n);
       for (int64_t r = 0; r < rows_pad; ++r) {
         float *sr = s + r * KB;
         if (r >= rows) { memset(sr, 0, KB * sizeof(float)); continue; }
