@@ -151,11 +151,13 @@ def test_bad_calls_raise_before_reading() -> None:
         kernels.dequantize_rows(blocks, native.FORM_GGML + 12, 256, np.array([1], np.int32), out)
 
 
-@pytest.mark.parametrize("name", ["Q5_0", "Q8_0", "Q4_1", "Q6_K"])
+@pytest.mark.parametrize("name", TYPES)
 def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
     """The engine batches a prompt's rows with other requests' rows and relies on each row's
     result not depending on its neighbours (cached against uncached, batched against alone):
-    every tile shape runs the same operations per pair of rows."""
+    every tile shape runs the same operations per pair of rows, and seven rows (more than one
+    tile of activation rows) read the 32-value types' blocks unpacked ahead, one row the
+    stored blocks."""
     rng = np.random.default_rng(13)
     cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 96
     matrix = MatrixArgs.build(random_blocks(name, 37, cols, rng),

@@ -81,6 +81,10 @@ class GrowingKVCache(KVCache):
     # same, so stores written before this class existed keep matching.
     layout_name = "KVCache"
     bound: int | None = None  # a class default too: from_state makes objects without __init__
+    # A one-token update writes the next slot and moves no other row (the buffer grows by
+    # copying rows to the same indices): the CPU decode step may read the buffer as it was
+    # plus the new row (rewind.kernels.cpu_attention.decode_attention_into).
+    updates_in_place = True
 
     def __init__(self, bound: int | None = None) -> None:
         super().__init__()

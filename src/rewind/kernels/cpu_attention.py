@@ -108,13 +108,12 @@ def _updates_in_place(cache: Any) -> bool:
     window (else the update trims the buffer's front and every index moves)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from rewind.cache.kv import GrowingKVCache
-
     if getattr(cache, "keys", None) is None or not isinstance(getattr(cache, "offset", None), int):
         return False
     if type(cache) is RotatingKVCache:
         return cache.keep == 0 and cache.keys.shape[2] <= cache.max_size
-    return type(cache) in (KVCache, GrowingKVCache)
+    # Rewind's own classes say so (the kernels do not import the cache package).
+    return type(cache) is KVCache or getattr(type(cache), "updates_in_place", False) is True
 
 
 def _layout_after_one(cache: Any, batch: int) -> tuple[int, tuple[np.ndarray, np.ndarray]]:

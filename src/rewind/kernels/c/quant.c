@@ -213,6 +213,21 @@ static inline Unpacked32 unpack_q5_1(const void *p) {
   return (Unpacked32){_mm256_or_si256(nibbles32(b->qs), high), fp16(b->d), fp16(b->m)};
 }
 
+/* A 32-value block unpacked ahead: a prefill chunk unpacks each claim's weight rows once into
+   these, where the stored-block tiles unpacked every block again for each 4 activation rows
+   (Q5_0, most of the default's matrices, ran at half Q8_0's rate: the unpacking was the
+   work). The tiles read a Pre32 as they read the stored block (the same bytes and the same
+   float scales), so a row's result is the same bits either way. */
+typedef struct { uint8_t q[QK]; float d, m; } Pre32;
+static inline Unpacked32 unpack_pre32(const void *p) {
+  const Pre32 *b = (const Pre32 *)p;
+  return (Unpacked32){load32(b->q), b->d, b->m};
+}
+#define unpack_pre_q4_0 unpack_pre32
+#define unpack_pre_q5_0 unpack_pre32
+#define unpack_pre_q4_1 unpack_pre32
+#define unpack_pre_q5_1 unpack_pre32
+
 /* A tile fetches the rows it will read PREFETCH_TILES tiles on while it computes: the hardware
    prefetcher alone kept the one-row product (decode) at a third of the memory bandwidth (a tile
    reads NW rows a line or so each at a time). Two tiles ahead measured best on the Xeon of
@@ -296,6 +311,19 @@ static inline __m512 pair_floats(const float *first, int apart) {
   return _mm512_permutexvar_ps(spread, both);
 }
 
+/* Two blocks' scales in lanes 0-7 and 8-15, from the stored fp16 or a Pre32's float. */
+#define STORED_SCALES(NAME, BLOCK)                                                              \
+  static inline __m512 pair_scales_##NAME(const uint8_t *row) {                                 \
+    return pair_halves(row, (int)sizeof(BLOCK) / 2);                                            \
+  }
+#define PRE_SCALES(NAME)                                                                        \
+  static inline __m512 pair_scales_##NAME(const uint8_t *row) {                                 \
+    return pair_floats((const float *)(row + QK), (int)(sizeof(Pre32) / sizeof(float)));       \
+  }
+STORED_SCALES(q8_0, BlockQ8_0) STORED_SCALES(q4_0, BlockQ4_0) STORED_SCALES(q5_0, BlockQ5_0)
+STORED_SCALES(q4_1, BlockQ4_1) STORED_SCALES(q5_1, BlockQ5_1)
+PRE_SCALES(pre_q4_0) PRE_SCALES(pre_q5_0) PRE_SCALES(pre_q4_1) PRE_SCALES(pre_q5_1)
+
 /* a with w's sign (zero where w is: |w| is zero there too). */
 static inline __m512i sign2(__m512i a, __m512i w) {
   return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a);
@@ -319,7 +347,7 @@ static inline __m512i sign2(__m512i a, __m512i w) {
         Unpacked32 u0 = unpack_##NAME(row), u1 = unpack_##NAME(row + sizeof(BLOCK));            \
         q[i] = join2(u0.q, u1.q);                                                               \
         mag[i] = SIGNED ? _mm512_abs_epi8(q[i]) : q[i];                                         \
-        dw[i] = pair_halves(row, (int)sizeof(BLOCK) / 2);                                       \
+        dw[i] = pair_scales_##NAME(row);                                                        \
         m0[i] = u0.m;                                                                           \
         m1[i] = u1.m;                                                                           \
       }                                                                                         \
@@ -505,6 +533,10 @@ DEFINE_TILES(DEFINE_TILE32, q4_0, BlockQ4_0, 8, 0, 0)
 DEFINE_TILES(DEFINE_TILE32, q5_0, BlockQ5_0, 16, 0, 0)
 DEFINE_TILES(DEFINE_TILE32, q4_1, BlockQ4_1, 0, 0, 1)
 DEFINE_TILES(DEFINE_TILE32, q5_1, BlockQ5_1, 0, 0, 1)
+DEFINE_TILES(DEFINE_TILE32, pre_q4_0, Pre32, 8, 0, 0)
+DEFINE_TILES(DEFINE_TILE32, pre_q5_0, Pre32, 16, 0, 0)
+DEFINE_TILES(DEFINE_TILE32, pre_q4_1, Pre32, 0, 0, 1)
+DEFINE_TILES(DEFINE_TILE32, pre_q5_1, Pre32, 0, 0, 1)
 DEFINE_TILES(DEFINE_TILE_K, q4_k, BlockQ4_K)
 DEFINE_TILES(DEFINE_TILE_K, q5_k, BlockQ5_K)
 DEFINE_TILES(DEFINE_TILE_K, q6_k, BlockQ6_K)
@@ -519,6 +551,47 @@ static const TileFn (*tiles_for(int type))[NR_MAX] {
     case GGML_Q4_K: return tiles_q4_k;
     case GGML_Q5_K: return tiles_q5_k;
     case GGML_Q6_K: return tiles_q6_k;
+    default: return NULL;
+  }
+}
+
+/* Rows [0, rows) of stored blocks (`wstride` bytes apart) unpacked into Pre32 [rows][blocks]. */
+typedef void (*PreUnpackFn)(const uint8_t *w, int64_t wstride, int64_t rows, int64_t blocks,
+                            Pre32 *out);
+#define DEFINE_PRE_UNPACK(NAME, BLOCK)                                                          \
+  static void pre_unpack_##NAME(const uint8_t *w, int64_t wstride, int64_t rows,             \
+                                int64_t blocks, Pre32 *out) {                                   \
+    for (int64_t r = 0; r < rows; ++r)                                                          \
+      for (int64_t b = 0; b < blocks; ++b) {                                                    \
+        const Unpacked32 u = unpack_##NAME(w + r * wstride + b * (int64_t)sizeof(BLOCK));       \
+        Pre32 *o = out + r * blocks + b;                                                        \
+        _mm256_storeu_si256((__m256i *)o->q, u.q);                                              \
+        o->d = u.d;                                                                             \
+        o->m = u.m;                                                                             \
+      }                                                                                         \
+  }
+DEFINE_PRE_UNPACK(q4_0, BlockQ4_0)
+DEFINE_PRE_UNPACK(q5_0, BlockQ5_0)
+DEFINE_PRE_UNPACK(q4_1, BlockQ4_1)
+DEFINE_PRE_UNPACK(q5_1, BlockQ5_1)
+
+/* The types a prefill unpacks ahead (Q8_0's unpacking is a load: nothing to gain; the
+   k-quants not yet), their unpacking and their tiles over Pre32 rows. */
+static PreUnpackFn pre_unpack_for(int type) {
+  switch (type) {
+    case GGML_Q4_0: return pre_unpack_q4_0;
+    case GGML_Q5_0: return pre_unpack_q5_0;
+    case GGML_Q4_1: return pre_unpack_q4_1;
+    case GGML_Q5_1: return pre_unpack_q5_1;
+    default: return NULL;
+  }
+}
+static const TileFn (*pre_tiles_for(int type))[NR_MAX] {
+  switch (type) {
+    case GGML_Q4_0: return tiles_pre_q4_0;
+    case GGML_Q5_0: return tiles_pre_q5_0;
+    case GGML_Q4_1: return tiles_pre_q4_1;
+    case GGML_Q5_1: return tiles_pre_q5_1;
     default: return NULL;
   }
 }
@@ -550,6 +623,8 @@ typedef struct {
   const TileFn (*tiles)[NR_MAX];
   int64_t first, count, claims_before; /* output rows [first, first + count); claims of earlier parts */
   int64_t row_bytes, xq_row_bytes, blocks;
+  PreUnpackFn pre_unpack; /* NULL: the tiles read the stored blocks */
+  const TileFn (*pre_tiles)[NR_MAX];
 } QJobPart;
 
 typedef struct {
@@ -563,22 +638,50 @@ typedef struct {
 
 /* 32 weight rows of one part against every activation row, NR_MAX at a time: those activation
    rows stay in L1 across the 32 weight rows, and the weight rows across the activation rows. */
+/* This thread's strip of unpacked rows, grown to the largest claim (the pool's threads live
+   as long as the process; a strip is at most Q_ROWS_PER_CLAIM rows of one matrix). */
+static _Thread_local Pre32 *strip;
+static _Thread_local int64_t strip_blocks;
+
+static Pre32 *claim_strip(int64_t blocks) {
+  if (blocks > strip_blocks) {
+    Pre32 *grown = malloc((size_t)blocks * sizeof(Pre32));
+    if (!grown) return NULL; /* the caller reads the stored blocks instead */
+    free(strip);
+    strip = grown;
+    strip_blocks = blocks;
+  }
+  return strip;
+}
+
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
   int p = j->nparts - 1;
   while (p > 0 && claim < j->parts[p].claims_before) --p;
   const QJobPart *part = &j->parts[p];
-  const int64_t local = claim - part->claims_before;
-  int64_t end = (local + 1) * Q_ROWS_PER_CLAIM;
+  const int64_t local = claim - part->claims_before, start = local * Q_ROWS_PER_CLAIM;
+  int64_t end = start + Q_ROWS_PER_CLAIM;
   if (end > part->count) end = part->count;
+  /* Where the claim's rows meet more than one tile of activation rows, unpack them once. */
+  const uint8_t *W = part->W + start * part->row_bytes;
+  int64_t wstride = part->row_bytes;
+  const TileFn(*tiles)[NR_MAX] = part->tiles;
+  Pre32 *pre = part->pre_unpack && j->m > NR_MAX ? claim_strip((end - start) * part->blocks)
+                                                 : NULL;
+  if (pre) {
+    part->pre_unpack(W, wstride, end - start, part->blocks, pre);
+    W = (const uint8_t *)pre;
+    wstride = part->blocks * (int64_t)sizeof(Pre32);
+    tiles = part->pre_tiles;
+  }
   float results[NW_TILE * NR_MAX];
   for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
     const int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
     const uint8_t *x = part->xq + r0 * part->xq_row_bytes;
-    for (int64_t o = local * Q_ROWS_PER_CLAIM; o < end;) {
+    for (int64_t o = start; o < end;) {
       const int nw = end - o >= NW_TILE ? NW_TILE : 1;
-      part->tiles[nw > 1][nr - 1](part->W + o * part->row_bytes, part->row_bytes, x,
-                                  part->xq_row_bytes, part->blocks, results);
+      tiles[nw > 1][nr - 1](W + (o - start) * wstride, wstride, x, part->xq_row_bytes,
+                            part->blocks, results);
       for (int i = 0; i < nw; ++i)
         for (int r = 0; r < nr; ++r)
           j->y[(r0 + r) * j->ldy + part->first + o + i] = results[i * NR_MAX + r];
@@ -627,7 +730,7 @@ int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int6
     job.parts[p] = (QJobPart){(const uint8_t *)parts[p].W, k ? q8k : q8, tiles_for(parts[p].type),
                               parts[p].first, parts[p].rows, claims,
                               blocks * ggml_block_bytes(parts[p].type), k ? q8k_bytes : q8_bytes,
-                              blocks};
+                              blocks, pre_unpack_for(parts[p].type), pre_tiles_for(parts[p].type)};
     claims += (parts[p].rows + Q_ROWS_PER_CLAIM - 1) / Q_ROWS_PER_CLAIM;
   }
   run_blocks(qmatvec_block, &job, claims, threads);
