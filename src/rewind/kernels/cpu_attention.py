@@ -37,13 +37,9 @@ def _mask_arguments(mask: Any, shape: tuple[int, int, int, int]) -> tuple[int, A
     return native.MASK_ADD, mx.broadcast_to(mask.astype(mx.float32), shape)
 
 
-def key_layout(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Where the `total` keys `cache.update_and_fetch` just returned sit: per batch row, the
-    absolute position of the oldest and its index in the buffer (a full sliding window's ring
-    holds its oldest key wherever it last wrote). The kernel visits keys in order of position
-    from it, so a row's attention rounds the same in any chunking. None (keys in order from
-    position 0) for a cache whose layout is not known here: the answer is the same, only its
-    rounding may then depend on the chunking."""
+def _first_and_rotation(cache: Any, total: int) -> tuple[int, int] | None:
+    """The absolute position of the oldest of the `total` keys `cache.update_and_fetch` just
+    returned, and its buffer index; None where the layout is not known here."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     offset = getattr(cache, "offset", None)
@@ -53,12 +49,25 @@ def key_layout(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.ndarr
         index = getattr(cache, "_idx", None)
         if cache.keep != 0 or not isinstance(index, int):
             return None
-        rotation = index % total
-    elif isinstance(cache, KVCache):
-        rotation = 0  # rows in order, the newest last (Rewind's GrowingKVCache too)
-    else:
-        return None
-    return (np.full(batch, offset - total, np.int64), np.full(batch, rotation, np.int64))
+        return offset - total, index % total
+    if isinstance(cache, KVCache):
+        return offset - total, 0  # rows in order, the newest last (GrowingKVCache too)
+    return None
+
+
+def _layout_arrays(first: int, rotation: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.full(batch, first, np.int64), np.full(batch, rotation, np.int64)
+
+
+def key_layout(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where the `total` keys `cache.update_and_fetch` just returned sit: per batch row, the
+    absolute position of the oldest and its index in the buffer (a full sliding window's ring
+    holds its oldest key wherever it last wrote). The kernel visits keys in order of position
+    from it, so a row's attention rounds the same in any chunking. None (keys in order from
+    position 0) for a cache whose layout is not known here: the answer is the same, only its
+    rounding may then depend on the chunking."""
+    found = _first_and_rotation(cache, total)
+    return None if found is None else _layout_arrays(*found, batch)
 
 
 def supported(queries: Any, keys: Any, values: Any) -> bool:
@@ -116,20 +125,19 @@ def _updates_in_place(cache: Any) -> bool:
     return type(cache) is KVCache or getattr(type(cache), "updates_in_place", False) is True
 
 
-def _layout_after_one(cache: Any, batch: int) -> tuple[int, tuple[np.ndarray, np.ndarray]]:
+def _layout_after_one(cache: Any) -> tuple[int, tuple[int, int]]:
     """The keys a one-token update of `cache` (one `_updates_in_place` takes) will return, and
-    their layout (see `key_layout`), worked out before the update: the offset grows by one; a
-    ring writes at its next index, wrapping at max_size (mlx-lm's _update_in_place)."""
+    their first position and rotation (see `key_layout`), worked out before the update: the
+    offset grows by one; a ring writes at its next index, wrapping at max_size (mlx-lm's
+    _update_in_place)."""
     from mlx_lm.models.cache import RotatingKVCache
 
     offset = cache.offset + 1
     if type(cache) is RotatingKVCache:
         total = min(offset, cache.max_size)
         index = cache._idx if cache._idx < cache.max_size else cache.keep
-        rotation = (index + 1) % total
-    else:
-        total, rotation = offset, 0
-    return total, (np.full(batch, offset - total, np.int64), np.full(batch, rotation, np.int64))
+        return total, (offset - total, (index + 1) % total)
+    return offset, (0, 0)
 
 
 def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: mx.array,
@@ -147,7 +155,7 @@ def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: m
             or cache.keys.dtype != new_keys.dtype or new_keys.shape[2] != 1):
         return False
     batch, heads, length, _ = queries.shape
-    total, layout = _layout_after_one(cache, batch)
+    total, foreseen = _layout_after_one(cache)
     kind, mask_array = _mask_arguments(mask, (batch, heads, length, total))
     # Views of the buffers as they are (evaluating what is pending: the first step after a
     # prefill). No update of them is queued while the kernel reads them: it comes after.
@@ -156,12 +164,11 @@ def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: m
     m = None if mask_array is None else host_view(mask_array)
     done = boundary.kernels().attention(
         queries, old_keys, old_values, _KV_FORMS[new_keys.dtype], m, kind, out, scale,
-        threads or native.kernel_threads(), layout, tail, total)
+        threads or native.kernel_threads(), _layout_arrays(*foreseen, batch), tail, total)
     del old_keys, old_values, tail, m
     keys, values = cache.update_and_fetch(new_keys, new_values)
-    actual = key_layout(cache, batch, int(keys.shape[2]))
-    if not done or actual is None or int(keys.shape[2]) != total or any(
-            not np.array_equal(a, b) for a, b in zip(actual, layout)):
+    if (not done or int(keys.shape[2]) != total
+            or _first_and_rotation(cache, total) != foreseen):
         # Shapes the kernel does not take, or a cache that moved otherwise than foreseen
         # (another mlx-lm): the usual path on the updated cache, whose answer stands.
         if not attention_into(queries, keys, values, scale, mask, out, threads, cache):
