@@ -57,15 +57,16 @@ def test_eiffel_tower_is_in_paris(default_model):
 
 @pytest.fixture(scope="module")
 def in_place_model():
+    """The default as `rewind serve` loads it (`--cpu-weights auto`)."""
     from rewind.models.loader import load_model
 
-    return load_model("default", in_place=True)
+    return load_model("default")
 
 
 def test_on_the_cpu_the_default_runs_from_its_gguf_blocks(in_place_model):
-    """`--cpu-weights gguf`: the default computes with its Q4_K_M file's blocks read in place:
-    the weights llama.cpp runs, ~250 MB where the bf16 folder holds 536 MB, and none of the
-    folder's arrays read."""
+    """`--cpu-weights auto` (the default): the default computes with its Q4_K_M file's blocks
+    read in place: the weights llama.cpp runs, ~250 MB where the bf16 folder holds 536 MB, and
+    none of the folder's arrays read."""
     import mlx.core as mx
 
     from rewind.kernels.native_forward import native_forward

