@@ -110,6 +110,8 @@ def default_chunk_tokens() -> int:
 # took 1.09x as long; more prefill a step gives the next turn its first token sooner, at a longer
 # gap between a stream's tokens (p99 249 ms at 68 against 168 at 36, 3 sessions).
 SLICED_PREFILL_TOKENS = 64
+# Speculative decoding modes (rewind.engine.speculation.MODES; config imports no engine module).
+SPECULATIVE_MODES = ("auto", "off", "ngram", "suffix")
 # What one more pass through the layers costs beyond its rows, in prompt tokens' worth: reading
 # every weight again. Default model, 2 cores: a 1-token call takes 22-25 ms, a 64-token one 150-156
 # ms (~2.1 ms a token), so ~10 tokens. A step spends it on a sequence's next call once its last
@@ -134,6 +136,12 @@ class EngineConfig:
     pipeline_decode: bool | None = None
     max_kv_size: int | None = None
     kv_bits: int | None = None
+    # Draftless speculative decoding (rewind.engine.speculation): auto, off, ngram (a row's own
+    # prompt and answer) or suffix (that and recent answers of the same model). auto: suffix where
+    # verification is exact (rows decoding through the CPU kernels), off elsewhere.
+    speculative: str = "auto"
+    speculative_max_draft: int = 16  # tokens one row drafts in a step, at most
+    speculative_step_tokens: int = 32  # drafted tokens over all rows of a step, at most
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
@@ -155,6 +163,13 @@ class EngineConfig:
              f"max KV size must be at least 1, not {self.max_kv_size}"),
             (self.kv_bits is None or self.kv_bits in KV_BITS,
              f"KV bits must be one of {', '.join(map(str, KV_BITS))}, not {self.kv_bits}"),
+            (self.speculative in SPECULATIVE_MODES,
+             f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+             f"not {self.speculative!r}"),
+            (self.speculative_max_draft >= 1,
+             f"the longest draft must be at least 1 token, not {self.speculative_max_draft}"),
+            (self.speculative_step_tokens >= 1,
+             f"drafted tokens a step must be at least 1, not {self.speculative_step_tokens}"),
         ])
         self.cache.validate()
 

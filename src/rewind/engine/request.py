@@ -109,6 +109,9 @@ class GenerationRequest:
     # Constrained decoding: an llguidance grammar (rewind.engine.grammar) every generated token
     # must follow, e.g. LLMatcher.grammar_from_json_schema(schema). None: free text.
     grammar: str | None = None
+    # Whether its decode steps may draft and verify tokens (rewind.engine.speculation), where
+    # the engine speculates at all: a caller opting out gets the same tokens, one a step.
+    speculative: bool = True
     request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
 
 
@@ -123,6 +126,8 @@ class Usage:
     ttft_seconds: float = 0.0  # submit -> first token event
     total_seconds: float = 0.0  # submit -> finish
     queue_seconds: float = 0.0  # submit -> admitted into a running slot
+    drafted_tokens: int = 0  # tokens drafted for it and verified (speculative decoding)
+    accepted_tokens: int = 0  # of which the model agreed with (emitted for the price of one)
 
 
 @dataclass

@@ -51,6 +51,9 @@ class Segment:
     # (its `tokens` then unused). After a call `carry` is None once the segment passed them all.
     stop: int | None = None
     carry: Any = None
+    # With `logits`: how many last positions' logits, [B, n, vocab] when more than 1 (a
+    # speculative step's verification reads the model's choice after every drafted token).
+    logit_positions: int = 1
 
     @property
     def plain(self) -> bool:
@@ -275,22 +278,38 @@ class ModelRunner:
             return out
         if split is None:  # `hidden` already holds logits
             for i in wanted:
-                out[i] = hidden[i][:, -1, :]
+                n = segments[i].logit_positions
+                out[i] = hidden[i][:, -1, :] if n == 1 else hidden[i][:, -n:, :]
             return out
         fast_head = self.kernels.head
         if fast_head is None:
             # MLX's matmul may sum in another order for another row count: one call each.
             for i in wanted:
-                out[i] = split.logits(hidden[i][:, -1, :])
+                n = segments[i].logit_positions
+                out[i] = _per_row(split.logits(_last_positions(hidden[i], n)), n)
             return out
         # The CPU head kernel computes each row alone, so stacking the rows changes nothing
         # and reads its weights once.
-        last = [hidden[i][:, -1, :] for i in wanted]
+        last = [_last_positions(hidden[i], segments[i].logit_positions) for i in wanted]
         rows = [a.shape[0] for a in last]
         stacked = last[0] if len(last) == 1 else mx.concatenate(last, axis=0)
         logits = split.logits(stacked, fast_head)
         start = 0
         for i, count in zip(wanted, rows):
-            out[i] = logits[start:start + count]
+            out[i] = _per_row(logits[start:start + count], segments[i].logit_positions)
             start += count
         return out
+
+
+def _last_positions(hidden: mx.array, positions: int) -> mx.array:
+    """The last `positions` positions of hidden states [B, L, H] as rows [B * positions, H]."""
+    if positions == 1:
+        return hidden[:, -1, :]
+    return hidden[:, -positions:, :].reshape(-1, hidden.shape[-1])
+
+
+def _per_row(logits: mx.array, positions: int) -> mx.array:
+    """Logits rows [B * positions, V] back as [B, V] (one position) or [B, positions, V]."""
+    if positions == 1:
+        return logits
+    return logits.reshape(-1, positions, logits.shape[-1])

@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from rewind.cache.checkpoints import chunk_ends, decode_checkpoint, is_checkpoint
+from rewind.cache.rollback import roll_back, rolls_back
 from rewind.config import PASS_TOKENS, EngineConfig
 from rewind.engine.positions import takes_positions
 from rewind.engine.request import (
@@ -41,7 +42,7 @@ from rewind.engine.request import (
     TokenEvent,
     Usage,
 )
-from rewind.engine.runner import ModelRunner, Segment
+from rewind.engine.runner import ModelRunner, RowCaches, Segment
 from rewind.engine.sampler import (
     LazySamples,
     Sampled,
@@ -50,6 +51,7 @@ from rewind.engine.sampler import (
     sample_lazy,
     sample_rows,
 )
+from rewind.engine.speculation import RowDrafts, Speculator, resolve_mode, tenant_of
 from rewind.engine.stops import TextStream
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     next_input: int = -1  # last sampled token, the input of its next decode step
     last_token_at: float = 0.0
+    drafts: RowDrafts | None = None  # its speculative-decoding state, while it may draft
 
     @property
     def prompt(self) -> list[int]:
@@ -135,6 +138,18 @@ class Scheduler:
         self.mixed_prefill_tokens = config.resolved_mixed_prefill_tokens(
             sliced=self.layer_count is not None)
         self.pipeline = config.resolved_pipeline_decode() and not takes_positions(self.model)
+        # Speculative decoding where a row can verify a draft in a call of its own on its own
+        # cache, in the decode step's pass (RowCaches: the CPU kernels); see
+        # rewind.engine.speculation for why only there.
+        rows_alone = self.layer_count is not None and not takes_positions(self.model)
+        mode = resolve_mode(config.speculative, rows_alone)
+        if mode != "off" and not rows_alone:
+            log.warning("speculative decoding (%s) needs rows decoding through the CPU kernels; "
+                        "this backend decodes without it", mode)
+            mode = "off"
+        self.speculator: Speculator | None = (
+            None if mode == "off" else Speculator(mode, config.speculative_max_draft,
+                                                  config.speculative_step_tokens))
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
         self.eos_token_ids = eos_token_ids
         self.listeners = listeners
@@ -252,7 +267,7 @@ class Scheduler:
         """Whether this step can be a decode step queued before the previous step's tokens are
         read (mlx-lm's batch generator does the same): only decoding, nobody to admit or drop,
         and no row whose next logits depend on the token before (penalties, grammars)."""
-        if not self.pipeline or not self.decoding or self.prefilling:
+        if not self.pipeline or not self.decoding or self.prefilling or self.speculator:
             return False
         if self.waiting and self.running < self.config.parallel:
             return False
@@ -502,15 +517,15 @@ class Scheduler:
     def _run_round(self, chunks: list[Chunk], with_decode: bool) -> None:
         """One forward pass: the decode batch (when `with_decode`) and these prefill chunks."""
         segments: list[Segment] = []
+        drafted: list[tuple[int, list[int]]] = []
         if with_decode:
             try:
-                segments.append(Segment(
-                    tokens=mx.array([[s.next_input] for s in self.decoding]),
-                    cache=self.batch_cache or [], logits=True,
-                    positions=self._decode_positions()))
+                drafted = self._drafts()
+                segments.extend(self._decode_segments(drafted))
             except Exception as exc:
                 self._fail_decoding(exc)
-                with_decode = False
+                with_decode, drafted = False, []
+        decode_segments = len(segments)
         taken: list[tuple[Chunk, Segment]] = []
         for chunk in chunks:
             try:  # a request's own inputs (image features) failing ends that request only
@@ -522,9 +537,11 @@ class Scheduler:
             return
         # A failing forward call raises out of step() (see step).
         logits = self.runner.forward(segments)
-        if with_decode:
+        if with_decode and drafted:
+            self._after_verify(drafted, logits[:decode_segments])
+        elif with_decode:
             self._after_decode(logits[0])
-            logits = logits[1:]
+        logits = logits[decode_segments:]
         for (chunk, segment), chunk_logits in zip(taken, logits):
             done = (self.layer_count or 1) if segment.carry is None else segment.carry.done
             self.counters.prefill_token_layers += (chunk.end - chunk.start) * (done - chunk.first)
@@ -583,6 +600,9 @@ class Scheduler:
     def _join_batch(self, seq: Sequence) -> None:
         self.batch_cache = self.runner.join(self.batch_cache, seq.cache or [])
         self.decoding.append(seq)
+        if (self.speculator is not None and seq.request.speculative
+                and rolls_back(seq.cache or [])):
+            seq.drafts = self.speculator.start(seq.prompt + seq.generated)
 
     def _leave_batch(self, rows: list[int]) -> None:
         if not rows:
@@ -622,6 +642,133 @@ class Scheduler:
                 keep = [i for i in range(len(results)) if i not in set(done)]
                 self._inflight = self._inflight.select(keep) if keep else None
             mx.clear_cache()
+
+    # ---- speculative decoding ---------------------------------------------------------------
+
+    def _drafts(self) -> list[tuple[int, list[int]]]:
+        """(row, drafted tokens) of the rows that draft this step. A draft never takes a row's
+        cache past its next block boundary, so its checkpoints fall where they would without
+        speculation, nor past its last token (max_tokens); the step's drafts stay within
+        `step_tokens`."""
+        speculator = self.speculator
+        if speculator is None or not isinstance(self.batch_cache, RowCaches):
+            return []
+        left = speculator.step_tokens
+        out: list[tuple[int, list[int]]] = []
+        for row, seq in enumerate(self.decoding):
+            drafts = seq.drafts
+            if drafts is None or left <= 0:
+                continue
+            index = drafts.index
+            index.extend(seq.generated[len(index.tokens) - len(seq.prompt):])
+            held = len(seq.prompt) + len(seq.generated) - 1
+            boundary = (held // self.block_tokens + 1) * self.block_tokens
+            limit = min(left, boundary - held - 1,
+                        seq.request.params.max_tokens - len(seq.generated) - 1)
+            if limit <= 0:
+                continue
+            draft = speculator.propose(drafts, tenant_of(seq.request.extras),
+                                       self.counters.steps, limit)
+            if draft:
+                out.append((row, draft))
+                left -= len(draft)
+        return out
+
+    def _decode_segments(self, drafted: list[tuple[int, list[int]]]) -> list[Segment]:
+        """The decode step's segments: every row as one (RowCaches: a call per row in one pass),
+        or, with drafts, the rows that draft each as its own call over [input, drafts] with
+        logits at every position, then the others together."""
+        if not drafted:
+            return [Segment(tokens=mx.array([[s.next_input] for s in self.decoding]),
+                            cache=self.batch_cache or [], logits=True,
+                            positions=self._decode_positions())]
+        batch = self.batch_cache or []
+        segments = [Segment(tokens=mx.array([[self.decoding[row].next_input, *draft]]),
+                            cache=batch[row], logits=True, logit_positions=len(draft) + 1)
+                    for row, draft in drafted]
+        plain = self._plain_rows(drafted)
+        if plain:
+            segments.append(Segment(tokens=mx.array([[self.decoding[r].next_input] for r in plain]),
+                                    cache=RowCaches([batch[r] for r in plain]), logits=True))
+        return segments
+
+    def _plain_rows(self, drafted: list[tuple[int, list[int]]]) -> list[int]:
+        drafting = {row for row, _ in drafted}
+        return [r for r in range(len(self.decoding)) if r not in drafting]
+
+    def _after_verify(self, drafted: list[tuple[int, list[int]]],
+                      logits: list[mx.array | None]) -> None:
+        """Emit a speculative step's tokens: each drafting row's, position by position, as its
+        sampler draws them from the logits after the tokens accepted before, up to the first
+        that differs from the draft (that one is the model's own, and emitted too); then roll
+        the row's cache back past what it did not keep. Then the other rows' one token each."""
+        speculator = self.speculator
+        assert speculator is not None
+        batch = self.batch_cache or []
+        plain = self._plain_rows(drafted)
+        try:
+            plain_samples = (read_samples(sample_lazy([self.decoding[r].sampler for r in plain],
+                                                      logits[len(drafted)]))
+                             if plain else [])
+        except Exception as exc:
+            self._fail_decoding(exc)
+            return
+        done: set[int] = set()
+        speculator.counters.steps += 1
+        for (row, draft), row_logits in zip(drafted, logits):
+            seq = self.decoding[row]
+            emitted, accepted, alive = self._verify_row(seq, draft, row_logits)
+            try:
+                roll_back(batch[row], len(draft) + 1 - emitted)
+            except Exception as exc:  # the row's cache holds tokens it did not keep
+                log.exception("rolling back the draft of %s failed", seq.request.request_id)
+                if alive:
+                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                alive = False
+            if seq.drafts is not None:
+                speculator.record(seq.drafts, self.counters.steps, len(draft), accepted)
+            seq.usage.drafted_tokens += len(draft)
+            seq.usage.accepted_tokens += accepted
+            if not alive:
+                done.add(row)
+        for row, sampled in zip(plain, plain_samples):
+            if not self._on_token(self.decoding[row], sampled):
+                done.add(row)
+        if self.prompt_cache is not None:
+            self._decode_checkpoints(done)
+        self._leave_batch(sorted(done))
+        if done:
+            mx.clear_cache()
+
+    def _verify_row(self, seq: Sequence, draft: list[int],
+                    logits: mx.array | None) -> tuple[int, int, bool]:
+        """Emit a drafting row's tokens from its logits [1, len(draft) + 1, vocab]: (tokens
+        emitted, drafted tokens accepted, whether the sequence goes on)."""
+        assert logits is not None
+        greedy = seq.sampler.plain_greedy
+        try:
+            choices = mx.argmax(logits[0], axis=-1).tolist() if greedy else []
+        except Exception as exc:
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return 0, 0, False
+        emitted = accepted = 0
+        for position in range(len(draft) + 1):
+            if greedy:
+                sampled = Sampled(int(choices[position]), None, None)
+            else:
+                try:
+                    sampled = sample_rows([seq.sampler], logits[:, position, :])[0]
+                except Exception as exc:
+                    log.exception("sampling failed for %s", seq.request.request_id)
+                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                    return emitted, accepted, False
+            emitted += 1
+            if not self._on_token(seq, sampled):
+                return emitted, accepted, False
+            if position == len(draft) or sampled.token != draft[position]:
+                break
+            accepted += 1
+        return emitted, accepted, True
 
     def _decode_positions(self) -> mx.array | None:
         """[3, rows, 1] rotary positions of this decode step's inputs on a model that takes
@@ -706,6 +853,9 @@ class Scheduler:
             self._typical_request_seconds = (usage.total_seconds if previous == 0.0
                                              else 0.8 * previous + 0.2 * usage.total_seconds)
         self.counters.requests_finished += 1
+        if self.speculator is not None:
+            self.speculator.finished(seq.drafts, tenant_of(seq.request.extras), seq.generated)
+            seq.drafts = None
         reasons = self.counters.finish_reasons
         reasons[reason] = reasons.get(reason, 0) + 1
         seq.emit(FinishEvent(reason, usage, error, stop_string))

@@ -1,0 +1,71 @@
+"""Taking the last tokens back out of a sequence's cache (a speculative step's rejected drafts).
+
+A speculative step feeds a row its next input and k drafted tokens in one call, then keeps as
+many as the model agreed with. The rest must leave the cache as if they were never fed:
+- full attention (KVCache, GrowingKVCache, QuantizedKVCache): the rows past the offset are dead,
+  the next update writes over them, so lowering the offset is the whole rollback (mlx-lm's trim);
+- a sliding window (RotatingKVCache): a multi-token update leaves the buffer in temporal order,
+  the last `window - 1` keys before the call followed by the call's keys (mlx-lm's
+  `_update_concat`), so the rejected keys are the buffer's last rows: cutting them off leaves
+  exactly the buffer a call of the accepted tokens alone would have left. mlx-lm's own trim
+  refuses a window that has wrapped, since in ring order the last rows are not the newest;
+- linear attention and SSM states (ArraysCache) fold every token into one state and cannot
+  give one back: such a sequence does not speculate (`rolls_back` is False).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+
+from rewind.cache.kv import GrowingKVCache
+
+_TRIMMED = (KVCache, GrowingKVCache, QuantizedKVCache)
+
+
+def rolls_back(layers: list[Any]) -> bool:
+    """Whether every layer cache of a sequence can give back its last tokens."""
+    return all(_rolls_back(layer) for layer in layers)
+
+
+def _rolls_back(layer: Any) -> bool:
+    if type(layer) is CacheList:
+        return all(_rolls_back(inner) for inner in layer.caches)
+    return type(layer) in _TRIMMED or (type(layer) is RotatingKVCache and layer.keep == 0)
+
+
+def roll_back(layers: list[Any], tokens: int) -> None:
+    """Take the last `tokens` tokens out of every layer cache. Right after the multi-token
+    update that fed them (a sliding window's rollback relies on it); raises ValueError for a
+    cache that cannot, before changing any layer."""
+    if tokens < 0:
+        raise ValueError(f"cannot roll back {tokens} tokens")
+    if tokens == 0:
+        return
+    flat = list(_flatten(layers))
+    for layer in flat:
+        if not _rolls_back(layer):
+            raise ValueError(f"a {type(layer).__name__} cannot give tokens back")
+        if layer.offset < tokens:
+            raise ValueError(f"a cache of {layer.offset} tokens cannot give back {tokens}")
+        if type(layer) is RotatingKVCache and layer._idx != layer.keys.shape[2]:
+            raise ValueError("a sliding-window cache rolls back only right after a "
+                             "multi-token update")
+    for layer in flat:
+        if type(layer) is RotatingKVCache:
+            kept = layer._idx - tokens
+            layer.keys = layer.keys[..., :kept, :]
+            layer.values = layer.values[..., :kept, :]
+            layer._idx = kept
+            layer.offset -= tokens
+        else:
+            layer.trim(tokens)
+
+
+def _flatten(layers: list[Any]):
+    for layer in layers:
+        if type(layer) is CacheList:
+            yield from _flatten(list(layer.caches))
+        else:
+            yield layer

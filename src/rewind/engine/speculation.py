@@ -1,0 +1,129 @@
+"""Speculative decoding without a draft model: which rows draft, how many tokens, from where.
+
+A decode step on a CPU reads every weight once whatever the number of rows, so a row that feeds
+its next input and k drafted tokens in one call pays for the k extra positions' arithmetic
+only (about a prefill token each), and keeps every drafted token the model agrees with, plus
+the model's own next token after them. The scheduler runs the verification (a row's call over
+[input, drafts], its logits at every position, its sampler drawing position by position) and
+rolls the cache back past the first disagreement (rewind.cache.rollback); this module decides
+what is drafted.
+
+Exact by construction: every emitted token is the one the row's sampler draws from the logits
+after the tokens accepted before it, and the sampler draws (and splits its random key) once per
+emitted token, as without speculation. Where a row's logits are the same bits in a call of k + 1
+positions as in k + 1 calls of one (the CPU kernels: rewind.kernels, attention and matrix
+products compute each row alone), greedy and seeded answers are token for token the same.
+
+When it does not pay it is off:
+- per row: a draft of length L after a draft the model fully accepted is twice as long (up to
+  `max_draft`), else one longer than what was accepted; after `MISSES_TO_PAUSE` drafts with
+  nothing accepted in a row, the row stops drafting for a number of steps that doubles with
+  each further miss (to PAUSE_STEPS_MAX);
+- per step: at most `step_tokens` drafted tokens over all rows, first come first served;
+- per backend: only where rows decode on caches of their own through the CPU kernels (the
+  runner's RowCaches), whose multi-position logits are exact; MLX's batched forward (GPUs, Metal)
+  sums in another order for another row count, so `auto` is off there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rewind.config import SPECULATIVE_MODES as MODES
+from rewind.engine.drafts import DraftPool, NgramIndex
+
+FIRST_DRAFT = 4
+MISSES_TO_PAUSE = 2
+PAUSE_STEPS_MAX = 64
+
+
+@dataclass
+class RowDrafts:
+    """One sequence's drafting state."""
+
+    index: NgramIndex
+    length: int = FIRST_DRAFT  # tokens to draft next time
+    misses: int = 0  # drafts in a row with nothing accepted
+    paused_until: int = 0  # the scheduler step before which it does not draft
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class SpeculationCounters:
+    steps: int = 0  # decode steps that verified at least one draft
+    drafts: int = 0  # drafts verified (a row's call with drafted tokens)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    by_row: list[float] = field(default_factory=list)  # acceptance of finished rows that drafted
+
+
+class Speculator:
+    """Drafts for the rows of one engine's decode batch."""
+
+    def __init__(self, mode: str, max_draft: int = 16, step_tokens: int = 32,
+                 pool_tokens: int = 65536) -> None:
+        if mode not in MODES or mode == "auto":
+            raise ValueError(f"speculation mode must be one of ngram, suffix, not {mode!r}")
+        self.mode = mode
+        self.max_draft = max_draft
+        self.step_tokens = step_tokens
+        self.pool = DraftPool(pool_tokens) if mode == "suffix" else None
+        self.counters = SpeculationCounters()
+
+    def start(self, prompt: list[int]) -> RowDrafts:
+        return RowDrafts(NgramIndex(prompt))
+
+    def propose(self, drafts: RowDrafts, tenant: str, step: int, limit: int) -> list[int]:
+        """The draft of a row whose context is `drafts.index.tokens` (prompt and generated
+        tokens, its next input last), at most `limit` tokens."""
+        if step < drafts.paused_until:
+            return []
+        limit = min(limit, drafts.length, self.max_draft)
+        context = drafts.index.tokens
+        found = drafts.index.continuation(context, limit)
+        if not found and self.pool is not None:
+            found = self.pool.continuation(tenant, context, limit)
+        return found
+
+    def record(self, drafts: RowDrafts, step: int, drafted: int, accepted: int) -> None:
+        """After a verification: `accepted` of `drafted` tokens were the model's."""
+        drafts.drafted += drafted
+        drafts.accepted += accepted
+        counters = self.counters
+        counters.drafts += 1
+        counters.drafted_tokens += drafted
+        counters.accepted_tokens += accepted
+        if accepted == drafted:
+            drafts.length = min(max(drafts.length, drafted) * 2, self.max_draft)
+        else:
+            drafts.length = max(1, min(accepted + 1, self.max_draft))
+        if accepted > 0:
+            drafts.misses = 0
+            return
+        drafts.misses += 1
+        if drafts.misses >= MISSES_TO_PAUSE:
+            drafts.paused_until = step + min(1 << (drafts.misses - 1), PAUSE_STEPS_MAX)
+
+    def finished(self, drafts: RowDrafts | None, tenant: str, answer: list[int]) -> None:
+        if drafts is not None and drafts.drafted:
+            self.counters.by_row.append(drafts.accepted / drafts.drafted)
+            del self.counters.by_row[:-1000]
+        if self.pool is not None and answer:
+            self.pool.add(tenant, answer)
+
+
+def resolve_mode(mode: str, rows_decode_alone: bool) -> str:
+    """The mode that runs: `auto` is `suffix` where rows decode on caches of their own through
+    the CPU kernels and off elsewhere (see the module's docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"speculation mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "auto":
+        return "suffix" if rows_decode_alone else "off"
+    return mode
+
+
+def tenant_of(extras: Any) -> str:
+    """The pool a request drafts from: its cache salt (one per API key unless shared)."""
+    return str(getattr(extras, "salt", "") or "")

@@ -1,0 +1,82 @@
+"""Draft sources (prompt lookup, the pool of recent answers) and the cache rollback a
+speculative step relies on, through their public functions."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+from rewind.cache.kv import GrowingKVCache
+from rewind.cache.rollback import roll_back, rolls_back
+from rewind.engine.drafts import DraftPool, NgramIndex
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
+    index = NgramIndex([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    # "2 3" occurred twice before the end; "1 2 3" once, followed by 4 5: the longer wins.
+    assert index.continuation(index.tokens, 3) == [4, 5, 9]
+    index.extend([7])  # now "... 2 3 7": "3 7" was followed by 8
+    assert index.continuation(index.tokens, 2) == [8, 1]
+    assert index.continuation([42, 43], 4) == []  # never seen
+    assert index.continuation(index.tokens, 0) == []
+
+
+def test_the_context_never_matches_itself():
+    index = NgramIndex([5, 6, 7])
+    assert index.continuation(index.tokens, 4) == []  # only occurrence is the suffix itself
+
+
+def test_the_pool_keeps_tenants_apart_and_drops_the_oldest_answers():
+    pool = DraftPool(max_tokens=10)
+    pool.add("a", [1, 2, 3, 4, 5, 6])
+    assert pool.continuation("a", [9, 2, 3], 3) == [4, 5, 6]
+    assert pool.continuation("b", [9, 2, 3], 3) == []  # another tenant's answers are not its
+    pool.add("b", [20, 21, 22, 23, 24, 25])  # 12 tokens held > 10: a's answer goes
+    assert pool.continuation("a", [9, 2, 3], 3) == []
+    assert pool.continuation("b", [21, 22], 2) == [23, 24]
+
+
+def _filled(cache, tokens: int, start: int = 0, step: int = 1):
+    """Feed `tokens` positions (key/value = their position) in calls of `step` tokens."""
+    for first in range(start, start + tokens, step):
+        n = min(step, start + tokens - first)
+        rows = mx.arange(first, first + n, dtype=mx.float32).reshape(1, 1, n, 1)
+        cache.update_and_fetch(rows, rows)
+    return cache
+
+
+def _in_order(cache) -> list[int]:
+    keys = cache._temporal_order(cache.keys) if isinstance(cache, RotatingKVCache) else cache.keys
+    keys = keys[..., : cache.offset, :] if not isinstance(cache, RotatingKVCache) else keys
+    return [int(v) for v in keys.reshape(-1).tolist()]
+
+
+@pytest.mark.parametrize("held", [20, 40, 100])  # within the window, just past, far past
+def test_a_sliding_window_gives_back_a_calls_last_tokens(held):
+    """After a 6-token call and a rollback of 4, the window holds what a 2-token call would
+    have left, and the next one-token step writes where it would have."""
+    window = 32
+    rolled = _filled(RotatingKVCache(window), held, step=1)
+    _filled(rolled, 6, start=held, step=6)
+    roll_back([rolled], 4)
+    plain = _filled(RotatingKVCache(window), held, step=1)
+    _filled(plain, 2, start=held, step=2)
+    assert rolled.offset == plain.offset == held + 2
+    assert _in_order(rolled)[-window:] == _in_order(plain)[-window:]
+    for cache in (rolled, plain):
+        _filled(cache, 3, start=held + 2, step=1)
+    assert _in_order(rolled)[-window:] == _in_order(plain)[-window:]
+
+
+def test_full_attention_gives_back_and_linear_attention_refuses():
+    cache = _filled(GrowingKVCache(), 10, step=5)
+    roll_back([cache], 3)
+    assert cache.offset == 7 and _in_order(cache) == list(range(7))
+    state = ArraysCache(2)
+    assert not rolls_back([cache, state])
+    with pytest.raises(ValueError, match="cannot give tokens back"):
+        roll_back([cache, state], 1)
+    assert cache.offset == 7  # refused before any layer changed
+    with pytest.raises(ValueError, match="cannot give back"):
+        roll_back([cache], 8)

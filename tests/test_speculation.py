@@ -1,0 +1,211 @@
+"""Speculative decoding inside the continuous batch: a row drafts tokens from its own context
+and from recent answers, verifies them in the decode step's pass and keeps what the model
+agrees with. Checked through the engine's public interface: the answers (tokens and
+log-probabilities, greedy and seeded sampling, alone and batched, with and without the prompt
+cache) are those of plain decoding on every tiny family and the default model, drafts were
+really accepted where a family's caches roll back, and the prompt cache's checkpoints fall where
+they fall without speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from rewind.cache import PromptCache
+from rewind.config import CacheConfig, EngineConfig
+from rewind.engine import Engine, GenerationRequest, SamplingParams
+from rewind.models.loader import load_model
+from rewind.testing.tiny_models import build_tiny_model
+
+TIMEOUT = 600
+# Families the CPU kernels run (rows verify drafts in calls of their own) whose every layer cache
+# can give tokens back. The tiny Qwen 3.5 (linear attention) and Gemma 4 run MLX's layers, where
+# speculation is off (rewind.engine.speculation).
+SPECULATES = {"llama", "gemma3", "default"}
+
+
+@pytest.fixture(scope="module")
+def gemma4_loaded(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(str(build_tiny_model("gemma4", tmp_path_factory.mktemp("gemma4"))))
+
+
+@pytest.fixture(scope="module")
+def default_loaded():
+    return load_model("default")  # as served: the GGUF in place on the CPU
+
+
+@pytest.fixture(params=["llama", "gemma3", "qwen3_5", "gemma4", "default"])
+def family_loaded(request: pytest.FixtureRequest, tiny_loaded):
+    if request.param == "gemma4":
+        return request.param, request.getfixturevalue("gemma4_loaded")
+    if request.param == "default":
+        return request.param, request.getfixturevalue("default_loaded")
+    return request.param, tiny_loaded(request.param)
+
+
+def random_prompts(loaded, lengths: list[int], seed: int = 5) -> list[list[int]]:
+    """Prompts of random ids without repeated n-grams to speak of: a row's drafts then come
+    from the pool of earlier answers, which makes them long and mostly right."""
+    rng = random.Random(seed)
+    top = min(loaded.tokenizer.vocab_size, 5000)
+    return [[rng.randrange(10, top) for _ in range(n)] for n in lengths]
+
+
+def params(engine: Engine, max_tokens: int, temperature: float = 0.0,
+           stop: list[str] | None = None) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=11, max_tokens=max_tokens,
+                          logit_bias={int(t): -100.0 for t in engine.eos_token_ids},
+                          logprobs=True, top_logprobs=3, stop=stop or [])
+
+
+def answers(engine: Engine, requests: list[GenerationRequest]):
+    """(tokens, logprobs, top logprobs, finish reason) of requests submitted together."""
+    handles = [engine.submit(r) for r in requests]
+    out = []
+    for handle in handles:
+        done = handle.collect(TIMEOUT)
+        out.append((done.tokens, done.logprobs, done.text, done.finish.reason))
+    return out
+
+
+def test_greedy_and_seeded_answers_are_those_of_plain_decoding(family_loaded, tmp_path):
+    """Alone, then three at once (greedy, then seeded sampling), then again from the prompt
+    cache: the same tokens and the same log-probabilities, bit for bit, with speculation as
+    without. Where every cache rolls back, the batched rows drafted from the first answer (the
+    pool) and the model kept most of it."""
+    family, loaded = family_loaded
+    prompts = random_prompts(loaded, [150, 190, 230])
+    results = {}
+    for mode in ("off", "suffix"):
+        config = EngineConfig(parallel=3, chunk_tokens=32, speculative=mode)
+        prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                                   CacheConfig(cache_dir=tmp_path / mode, disk_bytes=64 << 20))
+        try:
+            with Engine(loaded, config, prompt_cache) as engine:
+                runs = []
+                for temperature in (0.0, 0.9):
+                    runs += answers(engine, [GenerationRequest(prompts[0],
+                                                               params(engine, 40, temperature))])
+                    runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))
+                                             for p in prompts])
+                speculator = engine._scheduler.speculator
+                results[mode] = (runs, None if speculator is None else speculator.counters)
+        finally:
+            prompt_cache.close()
+    plain, spec = results["off"][0], results["suffix"][0]
+    for one, other in zip(plain, spec):
+        assert one[0] == other[0]
+        assert one[1] == other[1]  # log-probabilities: bit for bit
+    counters = results["suffix"][1]
+    if family in SPECULATES:
+        assert counters.accepted_tokens >= 40, counters
+        assert counters.accepted_tokens <= counters.drafted_tokens
+    else:
+        assert counters is None
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_checkpoints_fall_where_they_fall_without_speculation(tiny_loaded, tmp_path, family):
+    """A row's answer crosses a 256-token boundary: the next turn, which re-sends the prompt and
+    a part of the answer past that boundary, restores the same prefix with speculation as
+    without (the boundary checkpoint), and a turn re-sending the whole answer restores it
+    whole (the checkpoint where it ended)."""
+    loaded = tiny_loaded(family)
+    prompt = random_prompts(loaded, [200])[0]
+    restored = {}
+    for mode in ("off", "suffix"):
+        config = EngineConfig(parallel=2, chunk_tokens=32, speculative=mode)
+        prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                                   CacheConfig(cache_dir=tmp_path / mode, disk_bytes=64 << 20))
+        try:
+            with Engine(loaded, config, prompt_cache) as engine:
+                warm = answers(engine, [GenerationRequest(prompt, params(engine, 90))])[0][0]
+                # The pool now holds the answer: the next run drafts it.
+                answer = answers(engine, [GenerationRequest(prompt, params(engine, 90))])[0][0]
+                assert answer == warm
+                cut = prompt + answer[:70] + [17, 18, 19]
+                whole = prompt + answer[:-1] + [17, 18]
+                usage = [engine.submit(GenerationRequest(p, params(engine, 1))).collect(TIMEOUT)
+                         .finish.usage.cached_tokens for p in (cut, whole)]
+                counters = engine._scheduler.speculator
+                restored[mode] = (usage, None if counters is None
+                                  else counters.counters.accepted_tokens)
+        finally:
+            prompt_cache.close()
+    assert restored["off"][0] == restored["suffix"][0]
+    assert restored["off"][0][0] == 256
+    assert restored["suffix"][1] >= 50
+
+
+def test_stop_strings_and_max_tokens_hold_across_accepted_drafts(default_loaded):
+    """The default model copies a text it was shown: the answer stops at a stop string inside an
+    accepted draft, and at max_tokens inside one, exactly where plain decoding stops."""
+    loaded = default_loaded
+    text = ("Copy the list.\nList: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, "
+            "kappa, lambda, mu.\nCopy: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, "
+            "iota, kappa, lambda, mu.\nList: one, two, three, four, five, six, seven, eight, "
+            "nine, ten, eleven, twelve.\nCopy:")
+    prompt = loaded.tokenizer.encode(text)
+    out = {}
+    for mode in ("off", "ngram"):
+        with Engine(loaded, EngineConfig(parallel=2, speculative=mode)) as engine:
+            out[mode] = answers(engine, [
+                GenerationRequest(prompt, params(engine, 60, stop=[" nine"])),
+                GenerationRequest(prompt, params(engine, 9)),
+            ])
+            speculator = engine._scheduler.speculator
+            out[mode + "-accepted"] = 0 if speculator is None else speculator.counters.accepted_tokens
+    assert out["off"] == out["ngram"]
+    stopped, capped = out["ngram"]
+    assert stopped[3] == "stop" and "eight," in stopped[2] and "nine" not in stopped[2]
+    assert capped[3] == "length" and len(capped[0]) == 9
+    assert out["ngram-accepted"] >= 5
+
+
+def test_structured_output_holds_across_accepted_drafts(default_loaded):
+    """A JSON schema's grammar masks every position of a verified draft: the answer is the
+    one plain decoding gives, it parses, and drafts were accepted."""
+    from llguidance import LLMatcher
+
+    loaded = default_loaded
+    schema = {"type": "object", "properties": {
+        "names": {"type": "array", "items": {"type": "string"}, "maxItems": 6}},
+        "required": ["names"], "additionalProperties": False}
+    example = json.dumps({"names": ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]})
+    prompt = loaded.tokenizer.encode(f"Repeat the JSON.\nJSON: {example}\nRepeat: {example}\n"
+                                     f"JSON: {example}\nRepeat:")
+    grammar = LLMatcher.grammar_from_json_schema(schema)
+    out = {}
+    for mode in ("off", "ngram"):
+        with Engine(loaded, EngineConfig(parallel=2, speculative=mode)) as engine:
+            request = GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=80),
+                                        grammar=grammar)
+            out[mode] = answers(engine, [request])[0]
+            speculator = engine._scheduler.speculator
+            out[mode + "-accepted"] = 0 if speculator is None else speculator.counters.accepted_tokens
+    assert out["off"] == out["ngram"]
+    assert json.loads(out["ngram"][2])["names"]
+    assert out["ngram-accepted"] >= 5
+
+
+def test_a_request_that_opts_out_decodes_one_token_a_step(tiny_loaded):
+    """`speculative=False` on a request: no drafts for it, the same answer."""
+    loaded = tiny_loaded("llama")
+    prompt = random_prompts(loaded, [120])[0]
+    with Engine(loaded, EngineConfig(parallel=2, speculative="suffix")) as engine:
+        first = answers(engine, [GenerationRequest(prompt, params(engine, 30))])[0]
+        out = engine.submit(GenerationRequest(prompt, params(engine, 30), speculative=False)
+                            ).collect(TIMEOUT)
+        usage = out.finish.usage
+    assert out.tokens == first[0]
+    assert usage.drafted_tokens == 0 and usage.accepted_tokens == 0
+
+
+def test_a_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="speculative must be one of auto, off, ngram, suffix"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="longest draft"):
+        EngineConfig(speculative_max_draft=0)
