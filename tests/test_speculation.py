@@ -209,3 +209,46 @@ def test_a_bad_mode_is_refused():
         EngineConfig(speculative="eagle")
     with pytest.raises(ValueError, match="longest draft"):
         EngineConfig(speculative_max_draft=0)
+
+
+def test_the_server_reports_drafts_in_usage_and_metrics(tiny_model_path, tmp_path):
+    """Through the real `openai` client on a live server (speculation on by default): the
+    second request for the same prompt drafts the first's answer, and its usage says how much
+    of the draft it kept (OpenAI's predicted-output fields); `speculative: false` opts out;
+    /metrics counts the drafts."""
+    import httpx
+
+    from live_server import tiny_live_server
+
+    with tiny_live_server(tiny_model_path("llama"), tmp_path) as live:
+        client = live.openai()
+        prompt = random_prompts(live.loaded, [100])[0]
+        bias = {str(t): -100 for t in live.engine.eos_token_ids}
+
+        def complete(**extra):
+            return client.completions.create(model=live.model, prompt=prompt, max_tokens=40,
+                                             temperature=0, logit_bias=bias, extra_body=extra)
+
+        first = complete()
+        second = complete()
+        opted_out = complete(speculative=False)
+        metrics = httpx.get(f"{live.url}/metrics").text
+        stats = live.engine.stats()
+    assert first.choices[0].text == second.choices[0].text == opted_out.choices[0].text
+    details = second.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 20
+    assert opted_out.usage.completion_tokens_details is None
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("rewind_speculative_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) >= 20
+    assert stats["speculative"] == "suffix" and stats["accepted_tokens"] >= 20
+
+
+def test_serve_refuses_an_unknown_mode():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rewind", "serve", "--speculative", "eagle"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "invalid choice: 'eagle'" in out.stderr

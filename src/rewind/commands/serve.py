@@ -46,6 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "gives a new prompt its first token sooner (default: 64 plus --parallel "
                         "on the CPU kernels, where a prompt chunk's layers spread over steps; "
                         "one chunk plus --parallel elsewhere)")
+    parser.add_argument("--speculative", choices=("auto", "off", "ngram", "suffix"),
+                        default="auto",
+                        help="draftless speculative decoding: ngram drafts from a request's own "
+                        "prompt and answer, suffix also from recent answers; auto is suffix "
+                        "where it is exact (rows on the CPU kernels) and off elsewhere "
+                        "(default: %(default)s)")
+    parser.add_argument("--speculative-max-draft", type=int, default=16, metavar="N",
+                        help="tokens one request drafts in a step, at most (default: %(default)s)")
     parser.add_argument("--api-key", default=None,
                         help="require this key (Authorization: Bearer or x-api-key) on /v1")
     parser.add_argument("--api-key-file", default=None, type=Path, metavar="FILE",
@@ -104,7 +112,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         cache_dir=args.cache_dir, persist=args.cache_persist, **sizes)
     engine = EngineConfig(parallel=args.parallel, max_queue=args.max_queue,
                           mixed_prefill_tokens=args.mixed_prefill_tokens,
-                          max_kv_size=args.max_kv_size, cache=cache)
+                          max_kv_size=args.max_kv_size, speculative=args.speculative,
+                          speculative_max_draft=args.speculative_max_draft, cache=cache)
     config = ServerConfig(model=(args.model or ["default"])[0], host=args.host, port=args.port, api_key=args.api_key,
                           api_key_file=args.api_key_file, shared_cache=args.shared_cache,
                           cors_origins=list(args.cors_origin),

@@ -338,11 +338,22 @@ class Engine:
             "cached_tokens": counters.cached_tokens,
             "cached_ram_tokens": counters.cached_ram_tokens,
             "cached_disk_tokens": counters.cached_disk_tokens,
+            **self._speculation_stats(),
             "uptime_seconds": time.time() - self._started_at if self._started_at else 0.0,
             "mlx_active_bytes": mx.get_active_memory(),
             "mlx_peak_bytes": mx.get_peak_memory(),
             "mlx_cache_bytes": mx.get_cache_memory(),
         }
+
+    def _speculation_stats(self) -> dict[str, Any]:
+        speculator = self._scheduler.speculator
+        if speculator is None:
+            return {"speculative": "off"}
+        counters = speculator.counters
+        return {"speculative": speculator.mode,
+                "speculative_steps": counters.steps,
+                "drafted_tokens": counters.drafted_tokens,
+                "accepted_tokens": counters.accepted_tokens}
 
     # ---- the engine thread ------------------------------------------------------------------
 

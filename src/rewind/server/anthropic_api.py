@@ -258,7 +258,8 @@ async def messages(request: Request) -> Any:
                               _tool_choice(body))
     handle = await runtime.submit_async(prompt.tokens, params, prompt.checkpoints,
                                         prompt.image_prompt, grammar=grammar,
-                                        salt=runtime.cache_salt(request))
+                                        salt=runtime.cache_salt(request),
+                                        speculative=body.speculative)
     generation = Generation(runtime, "messages", request, handle, splitter)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id

@@ -115,6 +115,15 @@ class ServerMetrics:
         self.cached_tokens = Counter("rewind_cached_prompt_tokens",
                                      "Prompt tokens restored from the prompt cache, by tier",
                                      ["tier"], registry=r)
+        self.drafted_tokens = Counter("rewind_speculative_drafted_tokens",
+                                      "Tokens drafted and verified (speculative decoding)",
+                                      registry=r)
+        self.accepted_tokens = Counter("rewind_speculative_accepted_tokens",
+                                       "Drafted tokens the model agreed with", registry=r)
+        self.acceptance = Histogram("rewind_speculative_acceptance_ratio",
+                                    "Accepted over drafted tokens, per request that drafted",
+                                    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+                                    registry=r)
         self.requests = Counter("rewind_requests", "Finished requests by API and outcome",
                                 ["api", "outcome"], registry=r)
         self.http_errors = Counter("rewind_http_errors", "Error answers by status code",
@@ -135,6 +144,10 @@ class ServerMetrics:
         self.generated_tokens.inc(usage.completion_tokens)
         self.cached_tokens.labels("ram").inc(usage.cached_ram_tokens)
         self.cached_tokens.labels("disk").inc(usage.cached_disk_tokens)
+        if usage.drafted_tokens:
+            self.drafted_tokens.inc(usage.drafted_tokens)
+            self.accepted_tokens.inc(usage.accepted_tokens)
+            self.acceptance.observe(usage.accepted_tokens / usage.drafted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

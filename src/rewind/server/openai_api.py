@@ -128,12 +128,19 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: bool = F
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.drafted_tokens:
+        # OpenAI's fields for predicted outputs, which speculative decoding is: drafted tokens
+        # the answer kept, and those it did not.
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_tokens,
+            "rejected_prediction_tokens": usage.drafted_tokens - usage.accepted_tokens}
+    return out
 
 
 def _finish_reason(generation: Generation) -> str:
@@ -199,7 +206,8 @@ async def chat_completions(request: Request) -> Any:
                               response_format)
     handle = await runtime.submit_async(prompt.tokens, params, prompt.checkpoints,
                                         prompt.image_prompt, grammar=grammar,
-                                        salt=runtime.cache_salt(request, body.cache_salt))
+                                        salt=runtime.cache_salt(request, body.cache_salt),
+                                        speculative=body.speculative)
     generation = Generation(runtime, "chat", request, handle, splitter, keep_tokens=body.logprobs)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     model = body.model or runtime.model_id
@@ -296,7 +304,8 @@ async def completions(request: Request) -> Any:
                              top_logprobs=body.logprobs or 0, runtime=runtime)
     plain = OutputSplitter(OutputFormat(think_start=None, think_end=None), parse_tools=False)
     handle = await runtime.submit_async(tokens, params, [len(tokens)],
-                                        salt=runtime.cache_salt(request, body.cache_salt))
+                                        salt=runtime.cache_salt(request, body.cache_salt),
+                                        speculative=body.speculative)
     generation = Generation(runtime, "completions", request, handle, plain,
                             keep_tokens=body.logprobs is not None)
     completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"

@@ -255,7 +255,8 @@ async def responses(request: Request) -> Any:
                               responses_text_format(body.text))
     handle = await runtime.submit_async(prompt.tokens, params, prompt.checkpoints,
                                         prompt.image_prompt, grammar=grammar,
-                                        salt=runtime.cache_salt(request))
+                                        salt=runtime.cache_salt(request),
+                                        speculative=body.speculative)
     generation = Generation(runtime, "responses", request, handle, splitter)
     response = {
         "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),

@@ -167,12 +167,15 @@ class ModelRuntime:
 
     def submit(self, tokens: list[int], params: SamplingParams,
                checkpoints: list[int] | None = None, image_prompt: Any = None,
-               salt: str = "", grammar: str | None = None) -> RequestHandle:
+               salt: str = "", grammar: str | None = None,
+               speculative: bool | None = None) -> RequestHandle:
         """Queue a generation; `salt` keeps its cached prefixes apart from other tenants';
-        `grammar` constrains its answer (rewind.server.structured)."""
+        `grammar` constrains its answer (rewind.server.structured); `speculative=False` keeps it
+        out of speculative decoding."""
         self.check_prompt_length(len(tokens))
         request = GenerationRequest(prompt_tokens=tokens, params=params,
-                                    checkpoints=sorted(set(checkpoints or [])), grammar=grammar)
+                                    checkpoints=sorted(set(checkpoints or [])), grammar=grammar,
+                                    speculative=speculative is not False)
         if image_prompt is not None:
             image_prompt.into(request)
         if salt:

@@ -97,6 +97,9 @@ class SamplingFields(_Lenient):
     cache_salt: str | None = None
     # Ollama's: how long the model stays loaded after this request (30s, 15m, 0, -1 forever).
     keep_alive: str | float | None = None
+    # Rewind's own: false keeps this request out of speculative decoding (the same answer, one
+    # token a step).
+    speculative: bool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -204,6 +207,9 @@ class ResponsesReasoningConfig(_Lenient):
 class ResponsesRequest(_Lenient):
     model: str | None = None
     keep_alive: str | float | None = None
+    # Rewind's own: false keeps this request out of speculative decoding (the same answer, one
+    # token a step).
+    speculative: bool | None = None
     input: str | list[ResponsesItem]
     instructions: str | None = None
     tools: list[ResponsesTool] | None = None
@@ -287,6 +293,9 @@ class CountTokensRequest(_Lenient):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
+    # Rewind's own: false keeps this request out of speculative decoding (the same answer, one
+    # token a step).
+    speculative: bool | None = None
     stream: bool = False
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
