@@ -147,6 +147,27 @@ def test_agentic_quick_runs_and_reports(tmp_path: Path) -> None:
     assert "### Start-up" in markdown and "until the first answer" in markdown
 
 
+def test_edits_quick_runs_both_rewinds_and_reports_the_same_answers(tmp_path: Path) -> None:
+    """`rewind bench edits --quick`: real files of the installed mlx-lm asked back, on rewind
+    (speculating) and rewind-nospec; every greedy answer is the same on both, and the
+    speculating one reports its drafts in usage."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rewind", "bench", "edits", "--quick", "--servers",
+         "rewind,rewind-nospec", "--out", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    payload = json.loads((tmp_path / "edits-quick.json").read_text())
+    records = payload["records"]
+    params = payload["params"]
+    per_server = len(params["files"][1:3]) * (1 + params["sessions"])
+    assert sum(r["server"] == "rewind" for r in records) == per_server
+    assert sum(r["server"] == "rewind-nospec" for r in records) == per_server
+    assert all(r["accepted"] is None for r in records if r["server"] == "rewind-nospec")
+    markdown = (tmp_path / "edits-quick.md").read_text()
+    assert f"| rewind | alone | {per_server // (1 + params['sessions'])} / 2 |" in markdown
+    assert "vs rewind-nospec" in markdown
+
+
 def test_rewind_arg_reaches_every_rewind_server_of_a_workload(tmp_path: Path) -> None:
     """`--rewind-arg` (any side-by-side workload) is passed to each `rewind serve` it starts, and
     the report's server commands show it."""

@@ -28,6 +28,10 @@ class ChatTiming:
     # Seconds between consecutive streamed chunks with text (a token each on Rewind,
     # llama-server and mlx-lm, but for text held back): how long a stream waits for its next.
     token_gaps_s: list[float] = field(default_factory=list)
+    # usage.completion_tokens_details' predicted-output counts (Rewind's speculative decoding
+    # reports its drafts there), when reported.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,10 +82,16 @@ def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int |
     # token when the first choice chunk arrived.
     first = first_text_at or first_chunk_at or ended
     cached: int | None = None
+    predicted: dict[str, int] = {}
     if usage is not None:
         details = getattr(usage, "prompt_tokens_details", None)
         if details is not None and getattr(details, "cached_tokens", None) is not None:
             cached = int(details.cached_tokens)
+        completion = getattr(usage, "completion_tokens_details", None)
+        for name in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
+            value = getattr(completion, name, None) if completion is not None else None
+            if value is not None:
+                predicted[name] = int(value)
     return ChatTiming(
         ttft_s=first - started,
         e2e_s=ended - started,
@@ -92,4 +102,5 @@ def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int |
         finish_reason=finish_reason,
         text="".join(pieces),
         token_gaps_s=[b - a for a, b in zip(chunk_times, chunk_times[1:])],
+        **predicted,
     )

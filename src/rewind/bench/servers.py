@@ -42,7 +42,10 @@ LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
 
 SERVER_NAMES = ("rewind", "rewind-nocache", "rewind-ram", "rewind-gguf", "rewind-exact",
-                "rewind-int8", "mlx-lm", "llama.cpp")
+                "rewind-int8", "rewind-nospec", "mlx-lm", "llama.cpp", "llama.cpp-spec")
+# llama-server's draftless speculation as a user turns it on: one n-gram pool shared by all
+# slots, its own defaults for the lengths.
+LLAMA_CPP_SPEC_ARGS = ("--spec-type", "ngram-mod")
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
             argv.extend(["--cpu-weights", "gguf"])
         elif name == "rewind-exact":
             argv.extend(["--cpu-weights", "exact"])
+        elif name == "rewind-nospec":
+            argv.extend(["--speculative", "off"])
         argv.extend(options.extra_rewind_args)
         return ServerProcess(name, argv, port, log_path, env=openblas_env(),
                              ready_paths=("/health",))
@@ -295,7 +300,7 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
         # mlx-lm treats any other model name as a Hugging Face repo to fetch.
         return ServerProcess(name, argv, port, log_path, env=openblas_env(),
                              ready_paths=("/health",), model_id="default_model")
-    if name == "llama.cpp":
+    if name in ("llama.cpp", "llama.cpp-spec"):
         if model.gguf is None:
             raise ServerUnavailable(f"no GGUF for model {model.name!r}: llama.cpp needs one")
         if not llama_cpp_installed():
@@ -303,6 +308,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
                                     f"{display_path(LLAMA_CPP_PREFIX)} "
                                     f"(bash {display_path(INSTALL_LLAMA_CPP)})")
         argv = llama_server_argv(model.gguf, chat_template_file(model.mlx_folder), options, port)
+        if name == "llama.cpp-spec":
+            argv.extend(LLAMA_CPP_SPEC_ARGS)
         # /health answers 503 while the model loads, 200 once it can serve.
         return ServerProcess(name, argv, port, log_path, ready_paths=("/health",))
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVER_NAMES)}")
@@ -320,6 +327,9 @@ def describe_server(name: str) -> str:
                         "math)",
         "rewind-int8": "rewind serve --cpu-weights int8 (int8 copies of the folder's layers and "
                        "head)",
+        "rewind-nospec": "rewind serve --speculative off (one token a step)",
+        "llama.cpp-spec": "llama-server as `llama.cpp`, plus --spec-type ngram-mod (its draftless "
+                          "n-gram speculation, one pool shared by all slots, default lengths)",
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "
                   "a float32 copy of the folder, as Rewind's loader computes in float32)",
         "llama.cpp": f"llama-server ({llama_cpp_version() or 'not built'}), built from source, "

@@ -163,7 +163,7 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
     """
     # A SIGTERM (a timeout, a CI cancel) must unwind through `finally` and stop the server.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    if "llama.cpp" in names and model.gguf is not None:
+    if any(server_of(n).startswith("llama.cpp") for n in names) and model.gguf is not None:
         try:
             ensure_llama_cpp(install=args.install_llama_cpp)
         except ServerUnavailable as exc:

@@ -141,12 +141,16 @@ class Scheduler:
         # Speculative decoding where a row can verify a draft in a call of its own on its own
         # cache, in the decode step's pass (RowCaches: the CPU kernels); see
         # rewind.engine.speculation for why only there.
+        # `auto` leaves a pipelined decode (asked for on the CPU) as it is; a mode named
+        # explicitly turns pipelining off, since a step drafts from the tokens the last one read.
         rows_alone = self.layer_count is not None and not takes_positions(self.model)
-        mode = resolve_mode(config.speculative, rows_alone)
+        mode = resolve_mode(config.speculative, rows_alone and not self.pipeline)
         if mode != "off" and not rows_alone:
             log.warning("speculative decoding (%s) needs rows decoding through the CPU kernels; "
                         "this backend decodes without it", mode)
             mode = "off"
+        if mode != "off":
+            self.pipeline = False
         self.speculator: Speculator | None = (
             None if mode == "off" else Speculator(mode, config.speculative_max_draft,
                                                   config.speculative_step_tokens))
@@ -267,7 +271,7 @@ class Scheduler:
         """Whether this step can be a decode step queued before the previous step's tokens are
         read (mlx-lm's batch generator does the same): only decoding, nobody to admit or drop,
         and no row whose next logits depend on the token before (penalties, grammars)."""
-        if not self.pipeline or not self.decoding or self.prefilling or self.speculator:
+        if not self.pipeline or not self.decoding or self.prefilling:
             return False
         if self.waiting and self.running < self.config.parallel:
             return False
