@@ -51,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key-file", default=None, type=Path, metavar="FILE",
                         help="accept the keys in FILE, one per line with an optional name "
                         "(`KEY NAME`); each key gets a prompt cache of its own")
+    parser.add_argument("--admin-key", default=None, metavar="KEY",
+                        help="also accept KEY, which sees every key's sessions on the web page "
+                        "(/v1/rewind/sessions); the other keys see only their own")
+    parser.add_argument("--max-sessions", type=int, default=256, metavar="N",
+                        help="client sessions the web page remembers; the least recently seen "
+                        "go first (default: %(default)s)")
     parser.add_argument("--shared-cache", action="store_true",
                         help="let all API keys share one prompt cache (one user's keys)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -107,6 +113,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           max_kv_size=args.max_kv_size, cache=cache)
     config = ServerConfig(model=(args.model or ["default"])[0], host=args.host, port=args.port, api_key=args.api_key,
                           api_key_file=args.api_key_file, shared_cache=args.shared_cache,
+                          admin_key=args.admin_key, max_sessions=args.max_sessions,
                           cors_origins=list(args.cors_origin),
                           max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
                           body_idle_seconds=args.body_timeout,
@@ -130,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s "
                         "%(name)s: %(message)s")
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.api_key
-                                                                    or config.api_key_file):
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not (
+            config.api_key or config.api_key_file or config.admin_key):
         logging.warning("serving on %s without --api-key: anyone who can reach it can use it",
                         config.host)
 
@@ -185,6 +192,7 @@ def serve_pool(config: ServerConfig, args: argparse.Namespace) -> int:
     print(f"serving {first.name} ({first.entry.path}) on http://{config.host}:{config.port}/v1 "
           f"with --parallel {config.engine.parallel}; {len(pool.catalog.names)} models servable "
           f"by name, memory budget {gib(budget)}", file=sys.stderr, flush=True)
+    print(f"web page: http://{config.host}:{config.port}/", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

@@ -246,6 +246,9 @@ async function generate() {
     temperature: Number($("temperature").value),
     max_tokens: Number($("max-tokens").value) || undefined,
   };
+  // Qwen's and the tiny test models' templates read enable_thinking; others ignore it.
+  const thinking = $("thinking").value;
+  if (thinking) body.chat_template_kwargs = { enable_thinking: thinking === "on" };
   try {
     const response = await api("/v1/chat/completions", { body, signal: chat.controller.signal });
     await readStream(response, message);
@@ -361,8 +364,9 @@ function memoryChart(memory) {
     ["RAM tier", memory.ram_tier_bytes]];
   const total = Math.max(memory.budget_bytes, 1);
   const width = 600, height = 28;
-  const chart = svg("svg", { viewBox: `0 0 ${width} ${height + 22}`, class: "memory", role: "img",
-    "aria-label": "memory budget" });
+  // Stretched to the panel's width (preserveAspectRatio none): it holds no text to distort.
+  const chart = svg("svg", { viewBox: `0 0 ${width} ${height}`, class: "memory", role: "img",
+    preserveAspectRatio: "none", "aria-label": "memory budget" });
   chart.append(svg("rect", { x: 0, y: 0, width, height, class: "budget" }));
   let x = 0;
   parts.forEach(([name, value], i) => {
@@ -373,11 +377,11 @@ function memoryChart(memory) {
     chart.append(rect);
     x += w;
   });
-  chart.append(svg("text", { x: 0, y: height + 16, class: "label" },
-    `${bytes(memory.committed_bytes)} committed of ${bytes(memory.budget_bytes)}; process RSS ${bytes(memory.rss_bytes)}`));
+  const caption = el("p", { class: "caption" },
+    `${bytes(memory.committed_bytes)} committed of a ${bytes(memory.budget_bytes)} budget; process RSS ${bytes(memory.rss_bytes)}`);
   const legend = el("div", { class: "legend" }, ...parts.map(([name, value], i) =>
     el("span", {}, el("i", { class: `swatch part-${i}` }), `${name} ${bytes(value)}`)));
-  $("memory-chart").replaceChildren(chart, legend);
+  $("memory-chart").replaceChildren(chart, caption, legend);
 }
 
 function turnsChart(turns) {
