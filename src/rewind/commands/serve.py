@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rewind.commands.common import add_cpu_weights_arg
+from rewind.commands.serve_config import apply_config_file, render_settings, track_explicit_flags
 from rewind.config import CacheConfig, EngineConfig, ServerConfig, parse_size
 
 
@@ -97,7 +98,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(pipeline parallelism) instead of its heads (tensor parallelism)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="read these settings from a TOML file, each named as its flag "
+                        "without the dashes (port = 8080, cache_ram = \"2GiB\", model = "
+                        "[\"a\", \"b\"]); flags given on the command line win")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective settings (flags, --config, defaults) as TOML "
+                        "and exit without loading a model")
     parser.set_defaults(func=run)
+    track_explicit_flags(parser)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A fresh `rewind serve` parser: the settings a config file may hold are its flags."""
+    commands = argparse.ArgumentParser(prog="rewind").add_subparsers()
+    register(commands)
+    return commands.choices["serve"]
+
+
+def apply_config(args: argparse.Namespace) -> set[str]:
+    """Fill `args` from --config where no flag was given; the settings the file supplied."""
+    if getattr(args, "config", None) is None:
+        return set()
+    return apply_config_file(args, serve_parser(), args.config)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -131,10 +154,20 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from_file = apply_config(args)
         config = server_config(args)
+        if args.print_config:
+            from rewind.server.memory_budget import parse_budget
+            from rewind.server.model_pool import parse_duration
+
+            parse_budget(args.memory_budget)  # what serve_pool would refuse, refused here too
+            parse_duration(args.idle_unload)
     except ValueError as exc:
         print(f"rewind serve: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(render_settings(args, serve_parser(), from_file), end="")
+        return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s "
                         "%(name)s: %(message)s")
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (
