@@ -24,6 +24,21 @@ if [ "$(uname -s)" = "Linux" ]; then
   fi
 fi
 
+# 1b. A browser for the web page's test (tests/test_web_page.py, which skips without one):
+#     Debian's Chromium and its chromedriver, only where the dev extra is wanted.
+if [ "$(uname -s)" = "Linux" ] && [[ ",$extras," == *",dev,"* ]]; then
+  if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+      say "installing chromium and chromium-driver (the web page's browser test)"
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+        || say "could not install chromium: the web page's browser test will be skipped"
+    else
+      say "chromium and chromedriver are not installed and this user cannot apt-get install them:"
+      say "  the web page's browser test will be skipped ('apt-get install chromium chromium-driver')."
+    fi
+  fi
+fi
+
 # 2. A Python >= 3.11 for the virtual environment.
 py=""
 for cand in python3.13 python3.12 python3.11 python3; do

@@ -200,6 +200,10 @@ class ServerConfig:
     # One key per line, optionally named: each key is a tenant with a cache of its own.
     api_key_file: Path | None = None
     shared_cache: bool = False  # all keys share one prompt cache (a single user's keys)
+    # A key that sees every tenant's sessions in /v1/rewind/sessions (the others see their own).
+    admin_key: str | None = None
+    # Client conversations the server remembers for the web page (least recently seen go first).
+    max_sessions: int = 256
     cors_origins: list[str] = field(default_factory=list)  # none: no CORS headers at all
     max_prompt_tokens: int | None = None  # None: the model's context is the only bound
     max_images: int = 8  # images in one request
@@ -227,6 +231,9 @@ class ServerConfig:
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              "max prompt tokens must be at least 1"),
             (self.max_images >= 0, "max images must not be negative"),
+            (self.max_sessions >= 1, "max sessions must be at least 1"),
+            (not (self.admin_key is not None and not self.admin_key.strip()),
+             "the admin key must not be empty"),
         ])
         self.engine.validate()
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rewind.commands.common import add_cpu_weights_arg
+from rewind.commands.serve_config import apply_config_file, render_settings, track_explicit_flags
 from rewind.config import CacheConfig, EngineConfig, ServerConfig, parse_size
 
 
@@ -59,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key-file", default=None, type=Path, metavar="FILE",
                         help="accept the keys in FILE, one per line with an optional name "
                         "(`KEY NAME`); each key gets a prompt cache of its own")
+    parser.add_argument("--admin-key", default=None, metavar="KEY",
+                        help="also accept KEY, which sees every key's sessions on the web page "
+                        "(/v1/rewind/sessions); the other keys see only their own")
+    parser.add_argument("--max-sessions", type=int, default=256, metavar="N",
+                        help="client sessions the web page remembers; the least recently seen "
+                        "go first (default: %(default)s)")
     parser.add_argument("--shared-cache", action="store_true",
                         help="let all API keys share one prompt cache (one user's keys)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -99,7 +106,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(pipeline parallelism) instead of its heads (tensor parallelism)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="read these settings from a TOML file, each named as its flag "
+                        "without the dashes (port = 8080, cache_ram = \"2GiB\", model = "
+                        "[\"a\", \"b\"]); flags given on the command line win")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective settings (flags, --config, defaults) as TOML "
+                        "and exit without loading a model")
     parser.set_defaults(func=run)
+    track_explicit_flags(parser)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A fresh `rewind serve` parser: the settings a config file may hold are its flags."""
+    commands = argparse.ArgumentParser(prog="rewind").add_subparsers()
+    register(commands)
+    return commands.choices["serve"]
+
+
+def apply_config(args: argparse.Namespace) -> set[str]:
+    """Fill `args` from --config where no flag was given; the settings the file supplied."""
+    if getattr(args, "config", None) is None:
+        return set()
+    return apply_config_file(args, serve_parser(), args.config)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -116,6 +145,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           speculative_max_draft=args.speculative_max_draft, cache=cache)
     config = ServerConfig(model=(args.model or ["default"])[0], host=args.host, port=args.port, api_key=args.api_key,
                           api_key_file=args.api_key_file, shared_cache=args.shared_cache,
+                          admin_key=args.admin_key, max_sessions=args.max_sessions,
                           cors_origins=list(args.cors_origin),
                           max_prompt_tokens=args.max_prompt_tokens, max_images=args.max_images,
                           body_idle_seconds=args.body_timeout,
@@ -133,14 +163,24 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from_file = apply_config(args)
         config = server_config(args)
+        if args.print_config:
+            from rewind.server.memory_budget import parse_budget
+            from rewind.server.model_pool import parse_duration
+
+            parse_budget(args.memory_budget)  # what serve_pool would refuse, refused here too
+            parse_duration(args.idle_unload)
     except ValueError as exc:
         print(f"rewind serve: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(render_settings(args, serve_parser(), from_file), end="")
+        return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s "
                         "%(name)s: %(message)s")
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.api_key
-                                                                    or config.api_key_file):
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not (
+            config.api_key or config.api_key_file or config.admin_key):
         logging.warning("serving on %s without --api-key: anyone who can reach it can use it",
                         config.host)
 
@@ -194,6 +234,7 @@ def serve_pool(config: ServerConfig, args: argparse.Namespace) -> int:
     print(f"serving {first.name} ({first.entry.path}) on http://{config.host}:{config.port}/v1 "
           f"with --parallel {config.engine.parallel}; {len(pool.catalog.names)} models servable "
           f"by name, memory budget {gib(budget)}", file=sys.stderr, flush=True)
+    print(f"web page: http://{config.host}:{config.port}/", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

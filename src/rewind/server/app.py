@@ -1,4 +1,5 @@
-"""The FastAPI app factory: routes, error handlers in each API's shape, auth, /health, /metrics."""
+"""The FastAPI app factory: routes, error handlers in each API's shape, auth, /health, /metrics,
+and the web page at /."""
 
 from __future__ import annotations
 
@@ -15,13 +16,22 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rewind.config import ServerConfig
-from rewind.server import anthropic_api, models_api, openai_api, responses_api, worker_info
+from rewind.server import (
+    anthropic_api,
+    dashboard_api,
+    models_api,
+    openai_api,
+    responses_api,
+    web,
+    worker_info,
+)
 from rewind.server.auth import ApiKeyMiddleware, key_ring
 from rewind.server.errors import ApiError, error_response, flavor_for_path, validation_message
 from rewind.server.error_shield import ErrorShield
 from rewind.server.leases import LeaseMiddleware
 from rewind.server.metrics import ServerMetrics
 from rewind.server.openapi import describe_bodies
+from rewind.server.sessions import SessionBook
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +71,14 @@ def create_pool_app(pool: Any, config: ServerConfig,
                   lifespan=lifespan)
     app.state.pool = pool
     app.state.config = config
+    app.state.sessions = SessionBook(config.max_sessions, config.engine.cache.block_tokens)
     app.include_router(openai_api.router)
     app.include_router(models_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(worker_info.router)
+    app.include_router(dashboard_api.router)
+    app.include_router(web.router)
     app.add_middleware(LeaseMiddleware)
     app.add_middleware(ApiKeyMiddleware, keys=key_ring(config))
     if config.cors_origins:

@@ -3,7 +3,9 @@
 
 Each key is a tenant: its requests carry a cache salt of their own, so a prefix one tenant cached
 is never a hit for another (hit timing alone would tell one user what another sent). A server for
-a single user can share the cache among its keys instead.
+a single user can share the cache among its keys instead. What the server records of a tenant's
+sessions (rewind.server.sessions) is filed under its tenant id; only an admin key (--admin-key)
+sees every tenant's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from rewind.server.errors import ApiError, error_response, flavor_for_path
 class ApiKey:
     secret: str
     name: str
+    admin: bool = False  # sees every tenant's sessions, not only its own
+
+    @property
+    def tenant_id(self) -> str:
+        """Who a request is, for what the server records per tenant: from the secret, not the
+        name (two keys may share a name), and one-way (it is shown in the API)."""
+        return hashlib.sha256(b"rewind-tenant-id\x00" + self.secret.encode()).hexdigest()[:16]
 
 
 class KeyRing:
@@ -75,6 +84,8 @@ def key_ring(config: ServerConfig) -> KeyRing | None:
         keys.append(ApiKey(config.api_key, "api-key"))
     if config.api_key_file is not None:
         keys.extend(KeyRing.from_file(Path(config.api_key_file)).keys)
+    if config.admin_key:
+        keys.append(ApiKey(config.admin_key, "admin", admin=True))
     return KeyRing(keys, config.shared_cache) if keys else None
 
 
@@ -89,6 +100,15 @@ def presented_key(headers: dict[str, str]) -> str | None:
 def request_cache_salt(scope: Scope) -> str:
     """The tenant's cache salt the middleware put in the request's state ("" without keys)."""
     return str(scope.get("state", {}).get("cache_salt", ""))
+
+
+def request_tenant(scope: Scope) -> tuple[str, bool]:
+    """(tenant id, admin) of the request: ("", True) on a server without keys, where the one
+    user is everyone."""
+    state = scope.get("state", {})
+    if "tenant_id" not in state:
+        return "", True
+    return str(state["tenant_id"]), bool(state.get("admin"))
 
 
 class ApiKeyMiddleware:
@@ -108,6 +128,8 @@ class ApiKeyMiddleware:
             state = scope.setdefault("state", {})
             state["tenant"] = key.name
             state["cache_salt"] = self.keys.cache_salt(key)
+            state["tenant_id"] = key.tenant_id
+            state["admin"] = key.admin
             await self.app(scope, receive, send)
             return
         message = "missing API key" if presented is None else "invalid API key"

@@ -182,7 +182,7 @@ class ModelRuntime:
             extras = request.extras or BlockExtras()
             request.extras = dataclasses.replace(extras, salt=salt)
         try:
-            return self.engine.submit(request)
+            handle = self.engine.submit(request)
         except QueueFullError as exc:
             retry = max(1, round(exc.retry_after_seconds))
             raise ApiError(429, "rate_limit", str(exc), code="queue_full",
@@ -192,6 +192,8 @@ class ModelRuntime:
         except EngineStoppedError as exc:  # a failed engine, until the pool restarts it
             raise ApiError(503, "overloaded", str(exc), code="engine_stopped",
                            headers={"Retry-After": "1"}) from exc
+        handle.submitted = request  # type: ignore[attr-defined]  # read by Generation's session
+        return handle
 
     async def render(self, messages: Any, tools: Any = None, **kwargs: Any) -> Any:
         """The formatter's render off the event loop: templating and tokenizing a long

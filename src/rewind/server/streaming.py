@@ -13,7 +13,9 @@ from typing import Any
 from fastapi import Request
 
 from rewind.engine import FinishEvent, RequestHandle, TokenEvent, Usage
+from rewind.server.auth import request_tenant
 from rewind.server.errors import ApiError
+from rewind.server.sessions import SessionBook, TurnStart
 from rewind.server.tool_parsing import OutputSplitter, Piece
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,22 @@ async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None
         if message["type"] == "http.disconnect":
             handle.cancel()
             return
+
+
+def _begin_turn(runtime: Any, api: str, request: Request, handle: RequestHandle
+                ) -> tuple[SessionBook, TurnStart] | None:
+    """File the request under its client session (rewind.server.sessions), where the app keeps
+    a session book and the handle says what was submitted."""
+    book = getattr(request.app.state, "sessions", None)
+    submitted = getattr(handle, "submitted", None)
+    if book is None or submitted is None:
+        return None
+    tenant, _ = request_tenant(request.scope)
+    extras = submitted.extras
+    start = book.begin(tenant=tenant, salt=extras.salt if extras is not None else "",
+                       model=runtime.model_id, api=api, tokens=submitted.prompt_tokens,
+                       checkpoints=submitted.checkpoints, headers=request.headers)
+    return book, start
 
 
 KEEPALIVE_SECONDS = 10.0  # a long prefill sends no token for minutes; idle readers time out
@@ -49,6 +67,7 @@ class Generation:
         self.ticket = getattr(handle, "memory_ticket", None)
         self.cut_reason: str | None = None  # set when the memory guard ends it
         self._watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+        self._turn = _begin_turn(runtime, api, request, handle)
 
     @property
     def usage(self) -> Usage:
@@ -109,6 +128,9 @@ class Generation:
                 self.ticket.release()
             outcome = self.finish.reason if self.finish is not None else "cancelled"
             self.runtime.metrics.on_finish(self.api, outcome, self.usage)
+            if self._turn is not None:
+                book, start = self._turn
+                book.finish(start, outcome, self.usage)
 
     def _guard(self) -> None:
         """One more token in the sequence's cache: end it ("length") if that would cross the
