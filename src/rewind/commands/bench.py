@@ -23,6 +23,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
     "disk-tier": ("rewind.bench.disk_tier", "scratch-file store write and restore speed"),
     "agentic": ("rewind.bench.agentic", "S agent sessions x T turns, side by side on each server"),
+    "verify-cost": ("rewind.bench.verify_cost", "what verifying k drafted tokens adds to a CPU decode step, by batch size"),
     "edits": ("rewind.bench.edits", "source files asked back with one change (speculative decoding), alone and S sessions, side by side"),
     "replicas": ("rewind.bench.replicas", "agent sessions through SGLang's router over rewind serve replicas, per routing policy"),
     "multi-round-qa": ("rewind.bench.multi_round_qa", "users x rounds with shared system prompt (LMCache style)"),

@@ -650,12 +650,16 @@ class Scheduler:
     # ---- speculative decoding ---------------------------------------------------------------
 
     def _drafts(self) -> list[tuple[int, list[int]]]:
-        """(row, drafted tokens) of the rows that draft this step. A draft never takes a row's
-        cache past its next block boundary, so its checkpoints fall where they would without
-        speculation, nor past its last token (max_tokens); the step's drafts stay within
-        `step_tokens`."""
+        """(row, drafted tokens) of the rows that draft this step. None while a prompt is
+        being prefilled: a draft lengthens the step that carries the prompt's chunk, and a
+        waiting prompt's first token is what an agent's turn waits for (three agent sessions:
+        the sum of first-token times rose by a fifth when drafts shared those steps). A draft
+        never takes a row's cache past its next block boundary, so its checkpoints fall where
+        they would without speculation, nor past its last token (max_tokens); the step's drafts
+        stay within `step_tokens`."""
         speculator = self.speculator
-        if speculator is None or not isinstance(self.batch_cache, RowCaches):
+        if (speculator is None or self.prefilling
+                or not isinstance(self.batch_cache, RowCaches)):
             return []
         left = speculator.step_tokens
         out: list[tuple[int, list[int]]] = []
