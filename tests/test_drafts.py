@@ -80,3 +80,33 @@ def test_full_attention_gives_back_and_linear_attention_refuses():
     assert cache.offset == 7  # refused before any layer changed
     with pytest.raises(ValueError, match="cannot give back"):
         roll_back([cache], 8)
+
+
+def test_a_prompt_indexed_at_once_drafts_as_one_indexed_token_by_token():
+    """A prompt is indexed in vectorized passes, generated tokens one by one: both find the
+    same latest occurrences."""
+    import random
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(40) for _ in range(3000)]  # a small alphabet: many repeats
+    whole = NgramIndex(tokens)
+    grown = NgramIndex()
+    for token in tokens:
+        grown.extend([token])
+        grown.continuation(grown.tokens, 1)  # indexes what is there so far
+    for end in range(100, 3000, 97):
+        context = tokens[:end]
+        assert NgramIndex(context).continuation(context, 5) == \
+            _slow_continuation(context, 5)
+    assert whole.continuation(tokens, 8) == grown.continuation(tokens, 8) == \
+        _slow_continuation(tokens, 8)
+
+
+def _slow_continuation(tokens: list[int], limit: int) -> list[int]:
+    """The definition: the longest suffix (6, 4, 3, 2) with an earlier occurrence, latest one."""
+    for n in (6, 4, 3, 2):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == suffix:
+                return tokens[end:end + limit]
+    return []
