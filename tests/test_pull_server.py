@@ -6,66 +6,15 @@ the stream with a clean error event; keys decide who may pull."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fake_hub import fake_hub
+from serve_subprocess import rewind_serve
 
 pytestmark = pytest.mark.slow  # a fresh interpreter imports mlx, mlx-lm and transformers
 REPO = "tiny-org/tiny-gemma3"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextmanager
-def rewind_serve(model: Path, tmp_path: Path, hub_url: str, *flags: str) -> Iterator[str]:
-    """`rewind serve` as a user runs it, with HF_ENDPOINT at the fake hub (huggingface_hub
-    reads it at import, so it must be in the process's environment) and its own caches."""
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_ENDPOINT": hub_url,
-           "HF_HUB_CACHE": str(tmp_path / "hub"), "REWIND_HOME": str(tmp_path / "home"),
-           "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_HUB_OFFLINE", None)
-    command = [sys.executable, "-m", "rewind", "serve", "--model", str(model), "--port",
-               str(port), "--cache-dir", str(tmp_path / "scratch"), "--log-level", "warning",
-               *flags]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError("rewind serve did not become healthy")
-        yield url
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate()
 
 
 def pull_events(url: str, body: dict[str, Any], key: str | None = None

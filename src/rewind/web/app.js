@@ -191,8 +191,9 @@ function renderChat() {
   $("stop").disabled = !busy;
 }
 
-// Server-sent events of a streamed chat completion -> the message being written.
-async function readStream(response, message) {
+// Server-sent events -> onData(each data line's JSON), until the stream or a [DONE] ends it.
+// (fetch, not EventSource: EventSource can neither POST nor send the key's header.)
+async function readEvents(response, onData) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -205,14 +206,18 @@ async function readStream(response, message) {
       const event = buffer.slice(0, cut);
       buffer = buffer.slice(cut + 2);
       for (const line of event.split("\n")) {
-        if (!line.startsWith("data:")) continue; // keep-alive comments
+        if (!line.startsWith("data:")) continue; // event names and keep-alive comments
         const data = line.slice(5).trim();
         if (data === "[DONE]") return;
-        applyChunk(JSON.parse(data), message);
+        onData(JSON.parse(data));
       }
-      renderChat();
     }
   }
+}
+
+// A streamed chat completion -> the message being written.
+function readStream(response, message) {
+  return readEvents(response, (chunk) => { applyChunk(chunk, message); renderChat(); });
 }
 
 function applyChunk(chunk, message) {
@@ -327,6 +332,47 @@ async function modelAction(action, id) {
   }
   await refreshModels();
   await loadModelPicker().catch(() => {});
+}
+
+// POST /v1/models/pull: its progress events feed the bar; the list is refreshed when done.
+async function pullModel(event) {
+  event.preventDefault();
+  const repo = $("pull-repo").value.trim();
+  const bar = $("pull-progress"), status = $("pull-status"), button = $("pull-button");
+  if (!repo || button.disabled) return;
+  button.disabled = true;
+  bar.hidden = false;
+  bar.max = 1;
+  bar.value = 0;
+  status.classList.remove("error");
+  status.textContent = `asking the hub for ${repo} ...`;
+  try {
+    const response = await api("/v1/models/pull", { body: { model: repo } });
+    let finished = null;
+    await readEvents(response, (data) => {
+      if (data.type === "error") throw new Error(data.error.message);
+      if (data.type === "progress") {
+        bar.max = Math.max(data.total, 1);
+        bar.value = data.done;
+        const whole = data.files.filter((f) => f.total !== null && f.done >= f.total).length;
+        status.textContent = `${repo}: ${bytes(data.done)} of ${bytes(data.total)}, ` +
+          `${whole} of ${data.files.length} files`;
+      } else if (data.type === "done") {
+        finished = data;
+      }
+    });
+    if (!finished) throw new Error("the server ended the stream before the pull finished");
+    bar.value = bar.max;
+    status.textContent = `${finished.model} is pulled: ${finished.form}, ${bytes(finished.size_bytes)}`;
+    $("pull-repo").value = "";
+    await refreshModels();
+    await loadModelPicker().catch(() => {});
+  } catch (error) {
+    status.classList.add("error");
+    status.textContent = `pull ${repo}: ${error.message}`;
+  } finally {
+    button.disabled = false;
+  }
 }
 
 async function refreshModels() {
@@ -498,6 +544,7 @@ function start() {
   });
   $("image-input").addEventListener("change", pickImage);
   $("models-refresh").addEventListener("click", refreshModels);
+  $("pull-form").addEventListener("submit", pullModel);
   $("key-button").addEventListener("click", () => askForKey("Kept in this tab's session storage only."));
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
