@@ -190,6 +190,21 @@ def test_chat_models_and_sessions_in_a_real_browser(tiny_model_path, tmp_path, b
         for turn, (prompt, cached) in zip((turns[0], turns[3]), usages):
             assert number(turn[2]) == prompt and number(turn[3]) + number(turn[4]) == cached
         assert browser.find_elements(By.CSS_SELECTOR, "#turns-chart svg rect.tokens")
+        # The timeline: a thumbnail per session, and in the detail one tick per checkpoint
+        # the server recorded for each turn, no higher than that turn's bar.
+        [session] = httpx.get(f"{live.url}/v1/rewind/sessions", timeout=30).json()["data"]
+        checkpoints = [len(turn["checkpoints"]) for turn in session["turns"]]
+        assert all(checkpoints)
+        assert browser.find_elements(
+            By.CSS_SELECTOR, "#sessions-table tr.session td.timeline-cell svg.compact rect.tokens")
+        assert browser.execute_script(
+            "return document.querySelectorAll('#turns-chart svg line.checkpoint').length"
+        ) == sum(checkpoints)
+        assert browser.execute_script(
+            "const top = Math.min(...[...document.querySelectorAll('#turns-chart rect.tokens')]"
+            ".map(r => +r.getAttribute('y')));"
+            "return [...document.querySelectorAll('#turns-chart line.checkpoint')]"
+            ".every(l => +l.getAttribute('y1') >= top - 1e-6)")
         assert browser.find_elements(By.CSS_SELECTOR, "#memory-chart svg rect")
         assert "hit rate" in browser.find_element(By.ID, "card-cache").text
         browser.save_screenshot(str(artifacts / "sessions.png"))
