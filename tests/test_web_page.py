@@ -190,6 +190,21 @@ def test_chat_models_and_sessions_in_a_real_browser(tiny_model_path, tmp_path, b
         for turn, (prompt, cached) in zip((turns[0], turns[3]), usages):
             assert number(turn[2]) == prompt and number(turn[3]) + number(turn[4]) == cached
         assert browser.find_elements(By.CSS_SELECTOR, "#turns-chart svg rect.tokens")
+        # The timeline: a thumbnail per session, and in the detail one tick per checkpoint
+        # the server recorded for each turn, no higher than that turn's bar.
+        [session] = httpx.get(f"{live.url}/v1/rewind/sessions", timeout=30).json()["data"]
+        checkpoints = [len(turn["checkpoints"]) for turn in session["turns"]]
+        assert all(checkpoints)
+        assert browser.find_elements(
+            By.CSS_SELECTOR, "#sessions-table tr.session td.timeline-cell svg.compact rect.tokens")
+        assert browser.execute_script(
+            "return document.querySelectorAll('#turns-chart svg line.checkpoint').length"
+        ) == sum(checkpoints)
+        assert browser.execute_script(
+            "const top = Math.min(...[...document.querySelectorAll('#turns-chart rect.tokens')]"
+            ".map(r => +r.getAttribute('y')));"
+            "return [...document.querySelectorAll('#turns-chart line.checkpoint')]"
+            ".every(l => +l.getAttribute('y1') >= top - 1e-6)")
         assert browser.find_elements(By.CSS_SELECTOR, "#memory-chart svg rect")
         assert "hit rate" in browser.find_element(By.ID, "card-cache").text
         browser.save_screenshot(str(artifacts / "sessions.png"))
@@ -228,4 +243,79 @@ def test_the_page_asks_for_the_key_and_keeps_it_in_session_storage(tiny_model_pa
         box.clear()
         box.send_keys("6")
         assert answer_text(send_and_wait(browser, "Hello there."))
+        assert console_errors(browser) == []
+
+
+def test_pull_a_model_from_the_models_view(tiny_model_path, tmp_path, browser, artifacts):
+    """The Models view's pull form against `rewind serve` and a hub on loopback: the progress
+    bar fills from the stream, the pulled model is listed, and a missing repo says so."""
+    from fake_hub import fake_hub
+    from serve_subprocess import rewind_serve
+
+    repo = "tiny-org/tiny-gemma3"
+    with fake_hub(chunk_delay=0.002) as (hub_url, hub):
+        hub.add(repo, tiny_model_path("gemma3"))
+        with rewind_serve(tiny_model_path("llama"), tmp_path, hub_url) as url:
+            browser.get(f"{url}/#models")
+            wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#models-table tr[data-model]"),
+                     "the models list")
+            assert not browser.find_elements(By.CSS_SELECTOR, f'tr[data-model="{repo}"]')
+            browser.find_element(By.ID, "pull-repo").send_keys(repo)
+            browser.find_element(By.ID, "pull-button").click()
+            status = wait_for(lambda: "is pulled" in browser.find_element(By.ID, "pull-status").text
+                              and browser.find_element(By.ID, "pull-status").text, "the pull")
+            assert status.startswith(f"{repo} is pulled: f32")
+            bar = browser.find_element(By.ID, "pull-progress")
+            assert float(bar.get_attribute("value")) == float(bar.get_attribute("max")) > 1
+            row = wait_for(lambda: browser.find_element(By.CSS_SELECTOR,
+                                                        f'#models-table tr[data-model="{repo}"]'),
+                           "the pulled model listed")
+            assert row.find_element(By.CSS_SELECTOR, "td.state").text == "unloaded"
+            assert browser.find_elements(By.CSS_SELECTOR, f'#model-select option[value="{repo}"]')
+            browser.save_screenshot(str(artifacts / "models-pull.png"))
+
+            browser.find_element(By.ID, "pull-repo").send_keys("tiny-org/not-there")
+            browser.find_element(By.ID, "pull-button").click()
+            wait_for(lambda: "no repo 'tiny-org/not-there'"
+                     in browser.find_element(By.ID, "pull-status").text, "the pull's error")
+            assert "error" in browser.find_element(By.ID, "pull-status").get_attribute("class")
+            assert console_errors(browser) == []
+
+
+def test_an_image_in_chat_reaches_a_vision_model(tmp_path, browser, artifacts):
+    """The image button on a tiny Gemma 3 vision model: the request carries the image (its
+    prompt is longer than the same text alone by the image's tokens) and an answer streams."""
+    pytest.importorskip("mlx_vlm")
+    from PIL import Image
+
+    from rewind.testing.tiny_vision import IMAGE_TOKENS, build_tiny_vision_model
+
+    folder = build_tiny_vision_model(tmp_path / "tiny-vision")
+    picture = tmp_path / "picture.png"
+    Image.new("RGB", (64, 48), (200, 40, 90)).save(picture)
+    question = "What is in this picture?"
+    with tiny_live_server(folder, tmp_path / "scratch") as live:
+        browser.get(f"{live.url}/")
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#model-select option"),
+                 "the model picker")
+        box = browser.find_element(By.ID, "max-tokens")
+        box.clear()
+        box.send_keys("6")
+        # The file input sits hidden inside its label (the label is the button); chromedriver
+        # types a path into a hidden file input as a user's pick would.
+        browser.find_element(By.ID, "image-input").send_keys(str(picture))
+        wait_for(lambda: browser.find_element(By.ID, "image-name").text == "picture.png",
+                 "the picked image's name")
+        answer = send_and_wait(browser, question)
+        thumb = browser.find_element(By.CSS_SELECTOR, "#messages .message.user img.thumb")
+        assert thumb.get_attribute("src").startswith("data:image/png;base64,")
+        prompt, _ = cached_of(answer)
+        text_only = httpx.post(f"{live.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": question}], "max_tokens": 1,
+            "temperature": 0}).json()["usage"]["prompt_tokens"]
+        assert prompt >= text_only + IMAGE_TOKENS
+        answered = re.search(r"answer (\d+) tokens", answer.find_element(By.CSS_SELECTOR, ".usage").text)
+        assert answered and int(answered.group(1)) > 0
+        assert browser.find_element(By.ID, "image-name").text == ""  # the pick is spent
+        browser.save_screenshot(str(artifacts / "chat-image.png"))
         assert console_errors(browser) == []

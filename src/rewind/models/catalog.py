@@ -177,6 +177,11 @@ class Catalog:
         return None
 
     @property
+    def is_fixed(self) -> bool:
+        """A catalog of given entries only (refresh() would not add pulled models to it)."""
+        return self._fixed
+
+    @property
     def entries(self) -> list[Servable]:
         return list(self._entries)
 

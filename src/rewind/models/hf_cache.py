@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rewind.models.conversion import is_model_folder
+
+if TYPE_CHECKING:
+    from rewind.models.pull_progress import PullProgress
 
 # What a pull downloads: weights, configs, tokenizers and chat templates (no PyTorch or ONNX
 # copies that some repos carry beside the safetensors).
@@ -67,10 +71,48 @@ class PullError(RuntimeError):
     """A pull that cannot finish; the message says what to do."""
 
 
-def pull(repo_id: str, revision: str | None = None, show_progress: bool = True) -> Path:
+def check_repo_id(repo_id: str) -> None:
+    """PullError unless `repo_id` has the hub's ORG/NAME shape (what its API accepts)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    shape = f"{repo_id!r} is not a Hugging Face repo id (ORG/NAME, e.g. mlx-community/Qwen3-0.6B-4bit)"
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise PullError(shape)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise PullError(f"{shape}: {exc}") from None
+
+
+def _download_counted(repo_id: str, revision: str | None, progress: PullProgress) -> None:
+    """The files, fetched with their bytes counted. Where the hub cannot be reached this does
+    nothing: snapshot_download, next, serves a cached copy or says the repo is not there."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from rewind.models.pull_progress import download_files
+
+    try:
+        download_files(repo_id, revision, PULL_PATTERNS, str(hub_cache()), progress)
+    except (OfflineModeIsEnabled, ConnectionError, TimeoutError):
+        return  # snapshot_download tells these states apart, with the cache in view
+    except Exception as exc:  # noqa: BLE001 - httpx's transport errors are not ConnectionError
+        if not _is_transport_error(exc):
+            raise
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """A failure to reach the hub at all (connection refused, DNS, timeout), as opposed to
+    an answer from it; named by module, as huggingface_hub's HTTP client has changed."""
+    return any(cls.__module__.startswith("httpx") and cls.__name__ == "TransportError"
+               for cls in type(exc).__mro__)
+
+
+def pull(repo_id: str, revision: str | None = None, show_progress: bool = True,
+         progress: PullProgress | None = None) -> Path:
     """Download `repo_id` into the hub cache (what is already there is not fetched again) and
     return the servable folder or GGUF. Offline (HF_HUB_OFFLINE=1, or no network), a repo
-    already cached is returned as it is; one that is not raises PullError."""
+    already cached is returned as it is; one that is not raises PullError. With `progress`,
+    bytes are counted there file by file (rewind.models.pull_progress)."""
     import huggingface_hub
     from huggingface_hub.utils import (
         GatedRepoError,
@@ -79,12 +121,12 @@ def pull(repo_id: str, revision: str | None = None, show_progress: bool = True) 
         RevisionNotFoundError,
     )
 
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise PullError(f"{repo_id!r} is not a Hugging Face repo id (ORG/NAME, e.g. "
-                        "mlx-community/Qwen3-0.6B-4bit)")
+    check_repo_id(repo_id)
     if not show_progress:
         huggingface_hub.utils.disable_progress_bars()
     try:
+        if progress is not None:
+            _download_counted(repo_id, revision, progress)
         folder = huggingface_hub.snapshot_download(repo_id, revision=revision,
                                                    allow_patterns=PULL_PATTERNS,
                                                    cache_dir=str(hub_cache()))

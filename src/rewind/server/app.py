@@ -21,6 +21,7 @@ from rewind.server import (
     dashboard_api,
     models_api,
     openai_api,
+    pull_api,
     responses_api,
     web,
     worker_info,
@@ -74,6 +75,7 @@ def create_pool_app(pool: Any, config: ServerConfig,
     app.state.sessions = SessionBook(config.max_sessions, config.engine.cache.block_tokens)
     app.include_router(openai_api.router)
     app.include_router(models_api.router)
+    app.include_router(pull_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(worker_info.router)

@@ -26,6 +26,10 @@ class ApiKey:
     secret: str
     name: str
     admin: bool = False  # sees every tenant's sessions, not only its own
+    # May change what is on the server's disk (pull a model): the admin key, and --api-key on
+    # a server without --api-key-file (its one user). Tenants of a key file may not: a pull
+    # fills a disk they share.
+    operator: bool = False
 
     @property
     def tenant_id(self) -> str:
@@ -81,11 +85,11 @@ def key_ring(config: ServerConfig) -> KeyRing | None:
     """The keys of --api-key and --api-key-file; None when neither is set (an open server)."""
     keys = []
     if config.api_key:
-        keys.append(ApiKey(config.api_key, "api-key"))
+        keys.append(ApiKey(config.api_key, "api-key", operator=config.api_key_file is None))
     if config.api_key_file is not None:
         keys.extend(KeyRing.from_file(Path(config.api_key_file)).keys)
     if config.admin_key:
-        keys.append(ApiKey(config.admin_key, "admin", admin=True))
+        keys.append(ApiKey(config.admin_key, "admin", admin=True, operator=True))
     return KeyRing(keys, config.shared_cache) if keys else None
 
 
@@ -111,6 +115,13 @@ def request_tenant(scope: Scope) -> tuple[str, bool]:
     return str(state["tenant_id"]), bool(state.get("admin"))
 
 
+def request_operator(scope: Scope) -> bool:
+    """Whether the request may change the server's disk (ApiKey.operator); True on a server
+    without keys."""
+    state = scope.get("state", {})
+    return "tenant_id" not in state or bool(state.get("operator"))
+
+
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, keys: KeyRing | None) -> None:
         self.app = app
@@ -130,6 +141,7 @@ class ApiKeyMiddleware:
             state["cache_salt"] = self.keys.cache_salt(key)
             state["tenant_id"] = key.tenant_id
             state["admin"] = key.admin
+            state["operator"] = key.operator
             await self.app(scope, receive, send)
             return
         message = "missing API key" if presented is None else "invalid API key"

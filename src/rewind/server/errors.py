@@ -17,6 +17,7 @@ ApiFlavor = Literal["openai", "anthropic"]
 _KIND_TYPES: dict[str, tuple[str, str]] = {
     "invalid_request": ("invalid_request_error", "invalid_request_error"),
     "authentication": ("authentication_error", "authentication_error"),
+    "permission": ("permission_error", "permission_error"),
     "not_found": ("not_found_error", "not_found_error"),
     "too_large": ("invalid_request_error", "request_too_large"),
     "rate_limit": ("rate_limit_error", "rate_limit_error"),

@@ -17,12 +17,17 @@ from pydantic.json_schema import models_json_schema
 
 _REF_TEMPLATE = "#/components/schemas/{model}"
 _BODY_MODELS: list[type[BaseModel]] = []
+# Bodies whose `model` names something not served yet (a repo to pull): no enum of served names.
+_OPEN_MODEL_FIELD: set[type[BaseModel]] = set()
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for a route whose body is `model`, as JSON."""
+def json_body(model: type[BaseModel], served_model: bool = True) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body is `model`, as JSON; `served_model` False where
+    its `model` field is not limited to the names this server serves."""
     if model not in _BODY_MODELS:
         _BODY_MODELS.append(model)
+    if not served_model:
+        _OPEN_MODEL_FIELD.add(model)
     schema = {"$ref": _REF_TEMPLATE.format(model=model.__name__)}
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": schema}}}}
@@ -44,7 +49,7 @@ def describe_bodies(app: FastAPI, served_models: Callable[[], list[str]]) -> Non
         model_names = {"anyOf": [{"enum": served_models()}, {"type": "null"}]}
         for model in _BODY_MODELS:
             properties = schemas[model.__name__].get("properties", {})
-            if "model" in properties:
+            if "model" in properties and model not in _OPEN_MODEL_FIELD:
                 properties["model"] = {**model_names, "title": "Model"}
         app.openapi_schema = document
         return document

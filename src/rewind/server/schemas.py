@@ -313,3 +313,13 @@ class ModelActionRequest(_Lenient):
 
     model: str = Field(min_length=1)
     keep_alive: str | float | None = None
+
+
+class PullRequest(_Lenient):
+    """POST /v1/models/pull: a Hugging Face repo to download into the hub cache."""
+
+    # Any repo id, not only the names this server serves already (describe_bodies leaves it
+    # open: see rewind.server.openapi.json_body).
+    model: str = Field(min_length=1, max_length=200, description="ORG/NAME on the Hugging Face Hub")
+    revision: str | None = Field(default=None, min_length=1, max_length=200,
+                                 description="branch, tag or commit (default: main)")

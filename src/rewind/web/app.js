@@ -191,8 +191,9 @@ function renderChat() {
   $("stop").disabled = !busy;
 }
 
-// Server-sent events of a streamed chat completion -> the message being written.
-async function readStream(response, message) {
+// Server-sent events -> onData(each data line's JSON), until the stream or a [DONE] ends it.
+// (fetch, not EventSource: EventSource can neither POST nor send the key's header.)
+async function readEvents(response, onData) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -205,14 +206,18 @@ async function readStream(response, message) {
       const event = buffer.slice(0, cut);
       buffer = buffer.slice(cut + 2);
       for (const line of event.split("\n")) {
-        if (!line.startsWith("data:")) continue; // keep-alive comments
+        if (!line.startsWith("data:")) continue; // event names and keep-alive comments
         const data = line.slice(5).trim();
         if (data === "[DONE]") return;
-        applyChunk(JSON.parse(data), message);
+        onData(JSON.parse(data));
       }
-      renderChat();
     }
   }
+}
+
+// A streamed chat completion -> the message being written.
+function readStream(response, message) {
+  return readEvents(response, (chunk) => { applyChunk(chunk, message); renderChat(); });
 }
 
 function applyChunk(chunk, message) {
@@ -329,6 +334,47 @@ async function modelAction(action, id) {
   await loadModelPicker().catch(() => {});
 }
 
+// POST /v1/models/pull: its progress events feed the bar; the list is refreshed when done.
+async function pullModel(event) {
+  event.preventDefault();
+  const repo = $("pull-repo").value.trim();
+  const bar = $("pull-progress"), status = $("pull-status"), button = $("pull-button");
+  if (!repo || button.disabled) return;
+  button.disabled = true;
+  bar.hidden = false;
+  bar.max = 1;
+  bar.value = 0;
+  status.classList.remove("error");
+  status.textContent = `asking the hub for ${repo} ...`;
+  try {
+    const response = await api("/v1/models/pull", { body: { model: repo } });
+    let finished = null;
+    await readEvents(response, (data) => {
+      if (data.type === "error") throw new Error(data.error.message);
+      if (data.type === "progress") {
+        bar.max = Math.max(data.total, 1);
+        bar.value = data.done;
+        const whole = data.files.filter((f) => f.total !== null && f.done >= f.total).length;
+        status.textContent = `${repo}: ${bytes(data.done)} of ${bytes(data.total)}, ` +
+          `${whole} of ${data.files.length} files`;
+      } else if (data.type === "done") {
+        finished = data;
+      }
+    });
+    if (!finished) throw new Error("the server ended the stream before the pull finished");
+    bar.value = bar.max;
+    status.textContent = `${finished.model} is pulled: ${finished.form}, ${bytes(finished.size_bytes)}`;
+    $("pull-repo").value = "";
+    await refreshModels();
+    await loadModelPicker().catch(() => {});
+  } catch (error) {
+    status.classList.add("error");
+    status.textContent = `pull ${repo}: ${error.message}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
 async function refreshModels() {
   let models;
   try {
@@ -384,35 +430,55 @@ function memoryChart(memory) {
   $("memory-chart").replaceChildren(chart, caption, legend);
 }
 
-function turnsChart(turns) {
-  // Per turn, a stacked bar of the prompt: tokens from RAM, from disk, recomputed.
-  const width = 600, height = 160, pad = 30;
+const TOKEN_KINDS = [["ram", "from RAM"], ["disk", "from disk"], ["recomputed", "recomputed"]];
+
+// A session's timeline: turns along x; per turn a bar as tall as its prompt, split into the
+// tokens restored from RAM, from disk and recomputed (the prefix restored sits at the bottom,
+// as it is the prompt's start), with a tick at each prompt position the cache checkpointed.
+// `compact` is the sessions table's thumbnail: no labels, no tooltips.
+function timelineChart(turns, compact) {
+  const width = compact ? 160 : 600, height = compact ? 36 : 160;
+  const pad = compact ? 2 : 30, top = compact ? 2 : 16, bottom = compact ? 0 : 20;
   const most = Math.max(1, ...turns.map((t) => t.prompt_tokens));
   const slot = (width - pad) / Math.max(turns.length, 1);
-  const bar = Math.max(2, Math.min(40, slot * 0.7));
-  const chart = svg("svg", { viewBox: `0 0 ${width} ${height + 20}`, class: "turns", role: "img",
-    "aria-label": "prompt tokens per turn" });
-  chart.append(svg("text", { x: 0, y: 12, class: "label" }, count(most)));
+  const bar = Math.max(2, Math.min(compact ? 14 : 40, slot * 0.7));
+  const scale = (tokens) => (tokens / most) * (height - top);
+  const chart = svg("svg", { viewBox: `0 0 ${width} ${height + bottom}`, role: "img",
+    class: compact ? "timeline compact" : "timeline turns",
+    "aria-label": `prompt tokens and checkpoints over ${turns.length} turns` });
   chart.append(svg("line", { x1: pad, y1: height, x2: width, y2: height, class: "axis" }));
+  if (!compact) chart.append(svg("text", { x: 0, y: 12, class: "label" }, count(most)));
   turns.forEach((turn, i) => {
-    let y = height;
     const x = pad + i * slot + (slot - bar) / 2;
-    for (const [kind, value] of [["ram", turn.ram_tokens], ["disk", turn.disk_tokens],
-      ["recomputed", turn.recomputed_tokens]]) {
-      const h = (value / most) * (height - 16);
+    let y = height;
+    for (const [kind, words] of TOKEN_KINDS) {
+      const h = scale(turn[`${kind}_tokens`]);
       if (h <= 0) continue;
       y -= h;
       const rect = svg("rect", { x, y, width: bar, height: h, class: `tokens ${kind}` });
-      rect.append(svg("title", {}, `turn ${i + 1}: ${count(value)} ${kind === "recomputed" ? "recomputed" : `from ${kind}`}`));
+      if (!compact) rect.append(svg("title", {}, `turn ${i + 1}: ${count(turn[`${kind}_tokens`])} ${words}`));
       chart.append(rect);
     }
-    chart.append(svg("text", { x: x + bar / 2, y: height + 14, class: "label tick" }, String(i + 1)));
+    const overhang = compact ? 1 : 4;
+    for (const position of turn.checkpoints) {
+      const at = height - scale(position);
+      const tick = svg("line", { x1: x - overhang, x2: x + bar + overhang, y1: at, y2: at,
+        class: "checkpoint" });
+      if (!compact) tick.append(svg("title", {}, `turn ${i + 1}: checkpoint at token ${count(position)}`));
+      chart.append(tick);
+    }
+    if (!compact) {
+      chart.append(svg("text", { x: x + bar / 2, y: height + 14, class: "label tick" }, String(i + 1)));
+    }
   });
+  return chart;
+}
+
+function turnsChart(turns) {
   const legend = el("div", { class: "legend" },
-    el("span", {}, el("i", { class: "swatch tokens ram" }), "from RAM"),
-    el("span", {}, el("i", { class: "swatch tokens disk" }), "from disk"),
-    el("span", {}, el("i", { class: "swatch tokens recomputed" }), "recomputed"));
-  $("turns-chart").replaceChildren(chart, legend);
+    ...TOKEN_KINDS.map(([kind, words]) => el("span", {}, el("i", { class: `swatch tokens ${kind}` }), words)),
+    el("span", {}, el("i", { class: "swatch checkpoint" }), "checkpoint"));
+  $("turns-chart").replaceChildren(timelineChart(turns, false), legend);
 }
 
 function renderStatus(status) {
@@ -442,11 +508,12 @@ function renderSessions(list) {
       el("td", {}, count(s.totals.prompt_tokens)), el("td", { class: "ram" }, count(s.totals.ram_tokens)),
       el("td", { class: "disk" }, count(s.totals.disk_tokens)),
       el("td", { class: "recomputed" }, count(s.totals.recomputed_tokens)),
-      el("td", {}, last ? seconds(last.ttft_seconds) : "–"), el("td", {}, clock(s.last_seen)));
+      el("td", {}, last ? seconds(last.ttft_seconds) : "–"), el("td", {}, clock(s.last_seen)),
+      el("td", { class: "timeline-cell" }, timelineChart(s.turns, true)));
     return row;
   });
   if (!rows.length) {
-    rows.push(el("tr", {}, el("td", { colspan: "9", class: "hint" }, "No sessions yet: send a chat.")));
+    rows.push(el("tr", {}, el("td", { colspan: "10", class: "hint" }, "No sessions yet: send a chat.")));
   }
   $("sessions-table").tBodies[0].replaceChildren(...rows);
   const chosen = list.data.find((s) => s.id === sessions.selected) || list.data[0];
@@ -498,6 +565,7 @@ function start() {
   });
   $("image-input").addEventListener("change", pickImage);
   $("models-refresh").addEventListener("click", refreshModels);
+  $("pull-form").addEventListener("submit", pullModel);
   $("key-button").addEventListener("click", () => askForKey("Kept in this tab's session storage only."));
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
