@@ -164,7 +164,9 @@ def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tu
     stream_rows = []
     for name in present:
         repeats = sorted({r for (n, r) in by_server_repeat if n == name})
-        idle_steps = [statistics.median(r["token_gaps_s"]) for r in idle
+        # The mean gap, i.e. the time a token: with speculative decoding tokens come in
+        # bursts, and the median gap of a stream alone is 0.
+        idle_steps = [statistics.mean(r["token_gaps_s"]) for r in idle
                       if r["server"] == name and r["token_gaps_s"]]
         after_first = [statistics.mean(r["after_first_s"] for r in by_server_repeat[(name, rep)])
                        for rep in repeats]
@@ -194,7 +196,7 @@ def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tu
               ["server", "mean time after the first token, per turn", "idle decode step",
                "gap between tokens, p50", "gap between tokens, p99", "p99 gap / idle step"],
               stream_rows,
-              note="The idle decode step is the median gap of one stream alone, measured on the "
+              note="The idle decode step is the mean gap of one stream alone, measured on the "
                    "same server just before the sessions start. Gaps are between consecutive "
                    "streamed chunks with text, over every turn of every session."),
         Table("Time to first token per turn, seconds (median over sessions and repeats, min-max)",
