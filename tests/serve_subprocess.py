@@ -23,6 +23,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_healthy(server: subprocess.Popen, url: str, seconds: float) -> None:
+    """Until `url`/health answers 200; fails with the server's output if it exits first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.stdout.read() if server.stdout else ""
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("rewind serve did not become healthy")
+
+
 @contextmanager
 def rewind_serve(model: Path, tmp_path: Path, hub_url: str, *flags: str) -> Iterator[str]:
     """`rewind serve` as a user runs it, with HF_ENDPOINT at the fake hub (huggingface_hub
@@ -39,17 +53,7 @@ def rewind_serve(model: Path, tmp_path: Path, hub_url: str, *flags: str) -> Iter
                               text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError("rewind serve did not become healthy")
+        wait_healthy(server, url, 180)
         yield url
     finally:
         server.send_signal(signal.SIGINT)

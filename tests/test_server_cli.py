@@ -7,10 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from serve_subprocess import wait_healthy
 
 from rewind.cli import build_parser
 from rewind.commands.serve import server_config
@@ -70,17 +70,7 @@ def test_rewind_serve_answers_and_shuts_down(tiny_model_path, tmp_path):
                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError("rewind serve did not become healthy")
+        wait_healthy(server, url, 120)
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                 "temperature": 0}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401

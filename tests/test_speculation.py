@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +64,18 @@ def params(engine: Engine, max_tokens: int, temperature: float = 0.0,
                           logprobs=True, top_logprobs=3, stop=stop or [])
 
 
+@contextmanager
+def cached_engine(loaded, config: EngineConfig, cache_dir: Path) -> Iterator[Engine]:
+    """An engine with a prompt cache (RAM and a 64 MiB disk tier) of its own in `cache_dir`."""
+    prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
+                               CacheConfig(cache_dir=cache_dir, disk_bytes=64 << 20))
+    try:
+        with Engine(loaded, config, prompt_cache) as engine:
+            yield engine
+    finally:
+        prompt_cache.close()
+
+
 def answers(engine: Engine, requests: list[GenerationRequest]):
     """(tokens, logprobs, top logprobs, finish reason) of requests submitted together."""
     handles = [engine.submit(r) for r in requests]
@@ -80,21 +95,16 @@ def test_greedy_and_seeded_answers_are_those_of_plain_decoding(family_loaded, tm
     prompts = random_prompts(loaded, [150, 190, 230])
     results = {}
     for mode in ("off", "suffix"):
-        config = EngineConfig(parallel=3, chunk_tokens=32, speculative=mode)
-        prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
-                                   CacheConfig(cache_dir=tmp_path / mode, disk_bytes=64 << 20))
-        try:
-            with Engine(loaded, config, prompt_cache) as engine:
-                runs = []
-                for temperature in (0.0, 0.9):
-                    runs += answers(engine, [GenerationRequest(prompts[0],
-                                                               params(engine, 40, temperature))])
-                    runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))
-                                             for p in prompts])
-                speculator = engine._scheduler.speculator
-                results[mode] = (runs, None if speculator is None else speculator.counters)
-        finally:
-            prompt_cache.close()
+        with cached_engine(loaded, EngineConfig(parallel=3, chunk_tokens=32, speculative=mode),
+                           tmp_path / mode) as engine:
+            runs = []
+            for temperature in (0.0, 0.9):
+                runs += answers(engine, [GenerationRequest(prompts[0],
+                                                           params(engine, 40, temperature))])
+                runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))
+                                         for p in prompts])
+            speculator = engine._scheduler.speculator
+            results[mode] = (runs, None if speculator is None else speculator.counters)
     plain, spec = results["off"][0], results["suffix"][0]
     for one, other in zip(plain, spec):
         assert one[0] == other[0]
@@ -117,24 +127,19 @@ def test_checkpoints_fall_where_they_fall_without_speculation(tiny_loaded, tmp_p
     prompt = random_prompts(loaded, [200])[0]
     restored = {}
     for mode in ("off", "suffix"):
-        config = EngineConfig(parallel=2, chunk_tokens=32, speculative=mode)
-        prompt_cache = PromptCache(loaded.model, loaded.fingerprint,
-                                   CacheConfig(cache_dir=tmp_path / mode, disk_bytes=64 << 20))
-        try:
-            with Engine(loaded, config, prompt_cache) as engine:
-                warm = answers(engine, [GenerationRequest(prompt, params(engine, 90))])[0][0]
-                # The pool now holds the answer: the next run drafts it.
-                answer = answers(engine, [GenerationRequest(prompt, params(engine, 90))])[0][0]
-                assert answer == warm
-                cut = prompt + answer[:70] + [17, 18, 19]
-                whole = prompt + answer[:-1] + [17, 18]
-                usage = [engine.submit(GenerationRequest(p, params(engine, 1))).collect(TIMEOUT)
-                         .finish.usage.cached_tokens for p in (cut, whole)]
-                counters = engine._scheduler.speculator
-                restored[mode] = (usage, None if counters is None
-                                  else counters.counters.accepted_tokens)
-        finally:
-            prompt_cache.close()
+        with cached_engine(loaded, EngineConfig(parallel=2, chunk_tokens=32, speculative=mode),
+                           tmp_path / mode) as engine:
+            warm = answers(engine, [GenerationRequest(prompt, params(engine, 90))])[0][0]
+            # The pool now holds the answer: the next run drafts it.
+            answer = answers(engine, [GenerationRequest(prompt, params(engine, 90))])[0][0]
+            assert answer == warm
+            cut = prompt + answer[:70] + [17, 18, 19]
+            whole = prompt + answer[:-1] + [17, 18]
+            usage = [engine.submit(GenerationRequest(p, params(engine, 1))).collect(TIMEOUT)
+                     .finish.usage.cached_tokens for p in (cut, whole)]
+            counters = engine._scheduler.speculator
+            restored[mode] = (usage, None if counters is None
+                              else counters.counters.accepted_tokens)
     assert restored["off"][0] == restored["suffix"][0]
     assert restored["off"][0][0] == 256
     assert restored["suffix"][1] >= 50
