@@ -663,7 +663,11 @@ class Scheduler:
             return []
         left = speculator.step_tokens
         out: list[tuple[int, list[int]]] = []
-        for row, seq in enumerate(self.decoding):
+        # The step's draft budget goes round-robin: each step another row asks first.
+        rows = len(self.decoding)
+        first = self.counters.steps % rows if rows else 0
+        for row in [*range(first, rows), *range(first)]:
+            seq = self.decoding[row]
             drafts = seq.drafts
             if drafts is None or left <= 0:
                 continue
@@ -680,7 +684,7 @@ class Scheduler:
             if draft:
                 out.append((row, draft))
                 left -= len(draft)
-        return out
+        return sorted(out)
 
     def _decode_segments(self, drafted: list[tuple[int, list[int]]]) -> list[Segment]:
         """The decode step's segments: every row as one (RowCaches: a call per row in one pass),

@@ -19,7 +19,7 @@ When it does not pay it is off:
   `max_draft`), else one longer than what was accepted; after `MISSES_TO_PAUSE` drafts with
   nothing accepted in a row, the row stops drafting for a number of steps that doubles with
   each further miss (to PAUSE_STEPS_MAX);
-- per step: at most `step_tokens` drafted tokens over all rows, first come first served;
+- per step: at most `step_tokens` drafted tokens over all rows, each step another row first;
 - per backend: only where rows decode on caches of their own through the CPU kernels (the
   runner's RowCaches), whose multi-position logits are exact; MLX's batched forward (GPUs, Metal)
   sums in another order for another row count, so `auto` is off there.
