@@ -59,7 +59,11 @@ def browser(tmp_path) -> Iterator[Any]:
                  "--no-first-run", "--disable-extensions"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER),
+    # Not the test process's LD_PRELOAD (scripts/test.sh preloads OpenBLAS for MLX): Chromium's
+    # renderers die with it.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER,
+                                                              env=env),
                               options=options)
     driver.implicitly_wait(0)
     try:

@@ -605,7 +605,7 @@ class Scheduler:
         self.batch_cache = self.runner.join(self.batch_cache, seq.cache or [])
         self.decoding.append(seq)
         if (self.speculator is not None and seq.request.speculative
-                and rolls_back(seq.cache or [])):
+                and seq.request.positions is None and rolls_back(seq.cache or [])):
             seq.drafts = self.speculator.start(seq.prompt + seq.generated)
 
     def _leave_batch(self, rows: list[int]) -> None:
@@ -658,7 +658,9 @@ class Scheduler:
         they would without speculation, nor past its last token (max_tokens); the step's drafts
         stay within `step_tokens`."""
         speculator = self.speculator
-        if (speculator is None or self.prefilling
+        # A model given explicit rotary positions (Qwen-VL image prompts: rewind.vision
+        # installs them on the first image, after this scheduler began) decodes with them.
+        if (speculator is None or self.prefilling or takes_positions(self.model)
                 or not isinstance(self.batch_cache, RowCaches)):
             return []
         left = speculator.step_tokens
