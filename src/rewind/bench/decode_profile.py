@@ -345,7 +345,8 @@ class Streams:
     """N requests decoding for as long as asked, consumed by asyncio tasks on a thread of their
     own (as the server's routes consume them); `stop()` cancels them and waits for the end."""
 
-    def __init__(self, engine: Any, prompts: list[list[int]], bias: dict[int, float]) -> None:
+    def __init__(self, engine: Any, prompts: list[list[int]], bias: dict[int, float],
+                 consume: bool = True) -> None:
         from rewind.engine import GenerationRequest, SamplingParams
 
         self.engine = engine
@@ -353,8 +354,11 @@ class Streams:
             prompt_tokens=p, params=SamplingParams(temperature=0.0, max_tokens=100_000,
                                                    logit_bias=bias))) for p in prompts]
         self.tokens = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        # consume=False: events pile up in each handle's queue, read by nobody (no consumer
+        # thread competing with the engine thread for the GIL).
+        self._thread = threading.Thread(target=self._run, daemon=True) if consume else None
+        if self._thread is not None:
+            self._thread.start()
 
     def _run(self) -> None:
         async def consume(handle: Any) -> None:
@@ -369,7 +373,8 @@ class Streams:
     def stop(self) -> None:
         for handle in self.handles:
             handle.cancel()
-        self._thread.join(timeout=60)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
         deadline = time.monotonic() + 60
         while self.engine.stats()["running"] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -395,12 +400,7 @@ def profile_streams(engine: Any, profiler: StepProfiler, prompts: list[list[int]
         wait_until(lambda: stats()["steps"] >= base + 8)  # settled at the full batch
 
         # 1. bare: wall per step from the engine's counter, nothing wrapped.
-        steps0, started = stats()["steps"], time.perf_counter()
-        wait_until(lambda: stats()["steps"] >= steps0 + args.steps)
-        seconds = time.perf_counter() - started
-        done = stats()["steps"] - steps0
-        out["bare"] = {"steps": done, "step_ms": round(1e3 * seconds / done, 3),
-                       "tok_s": round(rows * done / seconds, 1)}
+        out["bare"] = bare_pass(engine, rows, args.steps)
 
         with profiler:
             profiler.wrap_deliver(None)
@@ -441,8 +441,28 @@ def profile_streams(engine: Any, profiler: StepProfiler, prompts: list[list[int]
         out["context_at_end"] = args.prompt_tokens + streams.tokens // rows
     finally:
         streams.stop()
+    # The bare pass again with nobody reading the events: what the consumers' thread costs the
+    # engine thread (the GIL, call_soon_threadsafe's wake-ups).
+    quiet = Streams(engine, [p[::-1] for p in prompts], bias, consume=False)
+    try:
+        wait_until(lambda: stats()["decoding"] == rows and stats()["prefilling"] == 0)
+        base = stats()["steps"]
+        wait_until(lambda: stats()["steps"] >= base + 8)
+        out["bare_no_consumer"] = bare_pass(engine, rows, args.steps)
+    finally:
+        quiet.stop()
     print(json.dumps({k: v for k, v in out.items() if k != "cprofile"}), flush=True)
     return out
+
+
+def bare_pass(engine: Any, rows: int, steps: int) -> dict[str, Any]:
+    stats = engine.stats
+    first, started = stats()["steps"], time.perf_counter()
+    wait_until(lambda: stats()["steps"] >= first + steps)
+    seconds = time.perf_counter() - started
+    done = stats()["steps"] - first
+    return {"steps": done, "step_ms": round(1e3 * seconds / done, 3),
+            "tok_s": round(rows * done / seconds, 1)}
 
 
 def bare_loop(runner: Any, loaded: Any, rows: int, prompt_tokens: int, vocab: int,
@@ -600,6 +620,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("| **step, nothing wrapped (bare pass)** | " + " | ".join(
         f"{rows[n].get('bare', {}).get('step_ms', 0):.3f} | "
         f"{rows[n].get('bare', {}).get('tok_s', 0):,.0f} tok/s" for n in counts) + " |")
+    lines.append("| **step, nothing wrapped, nobody reading the events** | " + " | ".join(
+        f"{rows[n].get('bare_no_consumer', {}).get('step_ms', 0):.3f} | "
+        f"{rows[n].get('bare_no_consumer', {}).get('tok_s', 0):,.0f} tok/s" for n in counts)
+        + " |")
     lines += ["", "## GPU busy against wall (CUPTI trace)", "",
               "| N | wall ms/step | GPU busy ms/step | busy share | kernels/step | "
               "CUDA API host ms/step |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
