@@ -519,6 +519,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=128, help="steps of the bare and timer passes")
     parser.add_argument("--cprofile-steps", type=int, default=48)
     parser.add_argument("--trace-steps", type=int, default=20)
+    parser.add_argument("--pipeline-decode", choices=["auto", "on", "off"], default="auto",
+                        help="the engine's pipelined decode (auto: on wherever MLX is not on "
+                             "the CPU, as rewind serve runs it)")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--json", type=Path, default=RESULTS / "decode-step-profile.json")
@@ -560,7 +563,9 @@ def run(args: argparse.Namespace) -> int:
         vocab = int(loaded.config.get("vocab_size") or overrides.get("vocab_size"))
         bias = {t: -100.0 for t in eos_ids(loaded)}
         streams = sorted(set(args.streams))
-        engine = Engine(loaded, EngineConfig(parallel=max(streams), max_queue=4 * max(streams)),
+        pipeline = {"auto": None, "on": True, "off": False}[args.pipeline_decode]
+        engine = Engine(loaded, EngineConfig(parallel=max(streams), max_queue=4 * max(streams),
+                                             pipeline_decode=pipeline),
                         prompt_cache=PromptCache(loaded.model, loaded.fingerprint,
                                                  CacheConfig())).start()
         report["pipelined"] = engine._scheduler.pipeline
