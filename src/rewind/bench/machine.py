@@ -39,23 +39,48 @@ def _version(package: str) -> str | None:
         return None
 
 
-def code_version() -> dict[str, Any]:
+def code_version(source: Path | None = None) -> dict[str, Any]:
     """Where the `rewind` under test was imported from, and its git commit: the code moves while
     benchmarks run (they are meant to run from a frozen worktree), so every result says which
-    commit it measured, and whether its src/ had uncommitted changes."""
+    commit it measured, and whether its src/ had uncommitted changes.
+
+    The commit is that of the git repository holding the package only when that repository
+    tracks the package: a copy of src/ inside some other repository (a results folder, a
+    scratch checkout on a GPU machine) would otherwise record that repository's commit as
+    Rewind's. Else `rewind_commit` is None and `rewind_commit_note` says why."""
     import subprocess
 
-    import rewind
+    if source is None:
+        import rewind
 
-    source = Path(rewind.__file__).resolve().parent
+        source = Path(rewind.__file__).resolve().parent
+    source = Path(source).resolve()
     info: dict[str, Any] = {"rewind_source": display_path(source), "rewind_commit": None,
                             "rewind_src_dirty": None}
+
+    def git(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", str(source), *argv], capture_output=True, text=True,
+                              timeout=10)
+
     try:
-        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"],
-                                capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--", "."],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0:
+            info["rewind_commit_note"] = "the package is not inside a git repository"
+            return info
+        root = Path(top.stdout.strip()).resolve()
+        # The package's own __init__.py, tracked in that repository and in its HEAD.
+        marker = (source / "__init__.py").relative_to(root).as_posix()
+        tracked = git("ls-files", "--error-unmatch", "--", f":(top){marker}")
+        committed = git("cat-file", "-e", f"HEAD:{marker}")
+        if tracked.returncode != 0 or committed.returncode != 0:
+            info["rewind_commit_note"] = (
+                f"{marker} is not tracked by the enclosing git repository ({root.name}): a copy "
+                "of the package, so that repository's commit is not Rewind's")
+            return info
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--", ".")
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        info["rewind_commit_note"] = f"git could not be asked ({type(exc).__name__}: {exc})"
         return info
     if commit.returncode == 0:
         info["rewind_commit"] = commit.stdout.strip()

@@ -20,6 +20,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "perplexity": ("rewind.bench.perplexity", "perplexity of the default GGUF per CPU weight form, vs llama.cpp's llama-perplexity"),
     "form-speed": ("rewind.bench.form_speed", "speed per stored form on this backend (random weights, default shape)"),
     "decode-scaling": ("rewind.bench.decode_scaling", "decode tok/s at 1/8/32 streams: engine, HTTP, mlx-lm BatchGenerator, HBM bound (random 1B-class models)"),
+    "decode-profile": ("rewind.bench.decode_profile", "where a decode step's host time goes at 1 and 32 streams (timers, cProfile, CUPTI trace; best run as python -m rewind.bench.decode_profile)"),
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
     "disk-tier": ("rewind.bench.disk_tier", "scratch-file store write and restore speed"),
     "agentic": ("rewind.bench.agentic", "S agent sessions x T turns, side by side on each server"),
