@@ -283,10 +283,16 @@ class ModelRunner:
             return out
         fast_head = self.kernels.head
         if fast_head is None:
-            # MLX's matmul may sum in another order for another row count: one call each.
+            # MLX's matmul may sum in another order for another row count (OpenBLAS's gemv
+            # against its gemm): one call each, and one a position, so a drafted position's
+            # logits are those a one-token step computes.
             for i in wanted:
                 n = segments[i].logit_positions
-                out[i] = _per_row(split.logits(_last_positions(hidden[i], n)), n)
+                if n == 1:
+                    out[i] = split.logits(hidden[i][:, -1, :])
+                else:
+                    out[i] = mx.stack([split.logits(hidden[i][:, p, :])
+                                       for p in range(-n, 0)], axis=1)
             return out
         # The CPU head kernel computes each row alone, so stacking the rows changes nothing
         # and reads its weights once.
