@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The sanitizer job (issue 23): the C kernels built with AddressSanitizer + UndefinedBehavior-
 # Sanitizer (REWIND_SANITIZE=address), their runtimes preloaded so MLX's and NumPy's allocations
-# are tracked too, under the kernel tests, the mixed-step equivalence tests, load and unload while
-# streaming, and the threaded server stress; then the pool's ThreadSanitizer test. Any sanitizer
+# are tracked too, under the kernel tests, the mixed-step and speculation equivalence tests, load
+# and unload while streaming, and the threaded server stress; then the pool's ThreadSanitizer test. Any sanitizer
 # report fails the job. (The RSS churn test is left out: ASan's shadow memory and quarantine are
 # RSS that is not Rewind's.) Run it before every stop (it takes ~10 minutes on 2 cores, too long for
 # CI beside the suite): `bash scripts/sanitize.sh`. Extra arguments go to pytest.
@@ -30,7 +30,7 @@ UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$reports/ubsan" \
     tests/test_kernel_boundary.py tests/test_kernel_isas.py tests/test_cpu_attention.py \
     tests/test_cpu_gated_delta.py tests/test_native_linear.py tests/test_native_forward.py \
     tests/test_mixed_steps.py tests/test_model_pool.py tests/test_native_stress.py \
-    tests/test_quant_kernels.py tests/test_gguf_in_place.py \
+    tests/test_quant_kernels.py tests/test_gguf_in_place.py tests/test_speculation.py \
     --deselect tests/test_model_pool.py::test_rss_stays_under_the_budget_over_a_load_unload_churn \
     "$@"
 rc=$?
