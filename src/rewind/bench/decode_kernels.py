@@ -56,8 +56,9 @@ def _torch_profiler() -> Any | None:
 PROFILE = _torch_profiler()
 
 
-def traced(run: Callable[[], None]) -> list[dict[str, Any]] | None:
-    """The kernels (name, ts and dur in microseconds) that ran on the GPU during `run`."""
+def trace_events(run: Callable[[], None]) -> list[dict[str, Any]] | None:
+    """Every CUPTI event of the process during `run` (category, name, ts and dur in
+    microseconds): kernels, memcpys, runtime/driver calls. None without the profiler."""
     if PROFILE is None:
         run()
         return None
@@ -67,8 +68,18 @@ def traced(run: Callable[[], None]) -> list[dict[str, Any]] | None:
         path = Path(scratch) / "trace.json"
         profiler.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
-            for e in events if e.get("cat") == "kernel"]
+    return [{"cat": e.get("cat"), "name": e.get("name", ""), "ts": float(e["ts"]),
+             "dur": float(e.get("dur", 0.0))}
+            for e in events if e.get("ph") == "X" and "ts" in e]
+
+
+def traced(run: Callable[[], None]) -> list[dict[str, Any]] | None:
+    """The kernels (name, ts and dur in microseconds) that ran on the GPU during `run`."""
+    events = trace_events(run)
+    if events is None:
+        return None
+    return [{"name": e["name"], "ts": e["ts"], "dur": e["dur"]}
+            for e in events if e["cat"] == "kernel"]
 
 
 def busy_us(kernels: list[dict[str, Any]]) -> float:

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.decode_kernels import PROFILE, busy_us, top_kernels  # torch before mlx
+from rewind.bench.decode_kernels import (  # torch before mlx
+    PROFILE, busy_us, top_kernels, trace_events)
 
 RESULTS = Path("benchmarks/results/gpu")
 # Exclusive pieces of a step, in the order of the report; `scheduler_python` is the rest.
@@ -292,24 +293,6 @@ def _short(filename: str) -> str:
         if mark in filename:
             return filename.split(mark, 1)[1]
     return filename
-
-
-def trace_events(run: Callable[[], None]) -> list[dict[str, Any]] | None:
-    """Every CUPTI event of the process during `run`: kernels, memcpys, runtime/driver calls."""
-    if PROFILE is None:
-        run()
-        return None
-    import tempfile
-
-    with PROFILE() as profiler:
-        run()
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "trace.json"
-        profiler.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    return [{"cat": e.get("cat"), "name": e.get("name", ""), "ts": float(e["ts"]),
-             "dur": float(e.get("dur", 0.0))}
-            for e in events if e.get("ph") == "X" and "ts" in e]
 
 
 def trace_summary(events: list[dict[str, Any]] | None, steps: int,
