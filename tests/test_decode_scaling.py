@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from rewind.bench import decode_scaling
 from rewind.bench.decode_scaling import StreamBytes, all_decoding_window, stagger_tokens
 
@@ -44,6 +46,9 @@ def test_quick_run_writes_rows(tmp_path: Path) -> None:
         assert parts["engine"]["finish_reasons"] == {"length": int(next(
             k for k, v in rows.items() if v is parts))}
         assert parts["engine"]["per_step"]["steps"] > 0
-        # Decode rows sample through sample_lazy / read_samples: their time is counted.
-        assert parts["engine"]["per_step"]["sample_ms"] > 0
+        # The three calls of a step, timed through the engine's step listener.
+        per_step = parts["engine"]["per_step"]
+        assert per_step["run_ms"] > 0 and per_step["postprocess_ms"] > 0
+        assert per_step["schedule_ms"] + per_step["run_ms"] + per_step["postprocess_ms"] \
+            == pytest.approx(per_step["step_ms"], abs=0.01)
     assert "| 1 |" in (tmp_path / "out.md").read_text()

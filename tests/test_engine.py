@@ -328,14 +328,14 @@ def test_an_engine_thread_that_dies_leaves_no_request_waiting(tiny_loaded):
     prompt = loaded.tokenizer.encode("hello world")
     with Engine(loaded, EngineConfig(parallel=1, max_queue=8)) as engine:
         scheduler = engine._scheduler
-        step = scheduler.step
+        schedule = scheduler.schedule
 
-        def dying_step() -> bool:
+        def dying_schedule():
             if scheduler.decoding:
                 raise SystemExit("the engine thread ends")
-            return step()
+            return schedule()
 
-        scheduler.step = dying_step
+        scheduler.schedule = dying_schedule
         handles = [engine.submit(GenerationRequest(prompt, greedy(max_tokens=50)))
                    for _ in range(2)]
         finishes = [handle.collect(TIMEOUT).finish for handle in handles]

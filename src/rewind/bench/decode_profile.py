@@ -141,7 +141,7 @@ class StepProfiler:
         import mlx.core as mx
 
         scheduler, runner = self.scheduler, self.runner
-        step, forward = scheduler.step, runner.forward
+        step, forward = self.engine.step, runner.forward
 
         def profiled_step() -> bool:
             record = Step(time.perf_counter())
@@ -172,7 +172,7 @@ class StepProfiler:
                     record.prefill_segments += 1
             return self.timed(forward, "forward")(segments, evaluate)
 
-        self._set(scheduler, "step", profiled_step)
+        self._set(self.engine, "step", profiled_step)
         self._set(runner, "forward", profiled_forward)
         if not self.pieces:
             return self

@@ -204,114 +204,45 @@ def stagger_tokens(streams: int, prompt_tokens: int, chunk_tokens: int) -> int:
 # ---- Rewind's engine, with timers -------------------------------------------------------------
 
 
-@dataclass
-class StepRecord:
-    started: float
-    ended: float = 0.0
-    forward_s: float = 0.0  # ModelRunner.forward: graph building + evaluation (synchronous)
-    build_s: float = 0.0  # of which building the lazy graph (the model's Python)
-    # The sampler: its graph (sample_lazy), its evaluation and tokens to Python (read_samples),
-    # and a prompt's first token (sample_rows).
-    sample_s: float = 0.0
-    decode_rows: int = 0
-    prefill_segments: int = 0
-
-
 class StepTimers:
-    """Wraps the engine's scheduler step, the runner's forward and the sampler with timers,
-    without changing what they do. Engine thread only records; read after the run."""
+    """The engine's three step calls timed through its step listener (Engine.add_step_listener:
+    schedule, run, postprocess), without touching what they do. Engine thread only records;
+    read after the run."""
 
     def __init__(self, engine: Any) -> None:
-        import rewind.engine.scheduler as scheduler_module
+        self.engine = engine
+        # (plan's decode rows, its prompt calls, its StepTiming) per step
+        self.records: list[tuple[int, int, Any]] = []
 
-        self.records: list[StepRecord] = []
-        self._current: StepRecord | None = None
-        self._module = scheduler_module
-        self._scheduler = engine._scheduler
-        self._runner = engine.runner
-        # What the scheduler samples with, by name in its module: decode rows use sample_lazy and
-        # read_samples, a prompt's first token sample_rows (timing only that one read 0 ms).
-        self._sampling = {name: getattr(scheduler_module, name)
-                          for name in ("sample_rows", "sample_lazy", "read_samples")}
+    def _record(self, plan: Any, timing: Any) -> None:
+        self.records.append((plan.decode_rows, len(plan.prefill), timing))
 
     def __enter__(self) -> StepTimers:
-        scheduler, runner = self._scheduler, self._runner
-        step, forward = scheduler.step, runner.forward
-        one, heads = runner._one, runner._heads
-
-        def timed_step() -> bool:
-            record = StepRecord(time.perf_counter())
-            self._current = record
-            did = step()
-            record.ended = time.perf_counter()
-            if did:
-                self.records.append(record)
-            self._current = None
-            return did
-
-        def timed_forward(segments: list[Any], evaluate: bool = True) -> Any:
-            started = time.perf_counter()
-            try:
-                return forward(segments, evaluate)
-            finally:
-                if self._current is not None:
-                    self._current.forward_s += time.perf_counter() - started
-                    for segment in segments:
-                        rows, length = segment.tokens.shape[:2]
-                        if length == 1 and segment.cache is scheduler.batch_cache:
-                            self._current.decode_rows += rows
-                        else:
-                            self._current.prefill_segments += 1
-
-        def timed(function: Callable[..., Any], field: str) -> Callable[..., Any]:
-            """`function`, its time added to the current step's `field`."""
-            def wrapped(*args: Any) -> Any:
-                started = time.perf_counter()
-                try:
-                    return function(*args)
-                finally:
-                    if self._current is not None:
-                        setattr(self._current, field, getattr(self._current, field)
-                                + time.perf_counter() - started)
-            return wrapped
-
-        scheduler.step = timed_step
-        runner.forward = timed_forward
-        runner._one, runner._heads = timed(one, "build_s"), timed(heads, "build_s")
-        for name, function in self._sampling.items():
-            setattr(self._module, name, timed(function, "sample_s"))
+        self.engine.add_step_listener(self._record)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in ("step",):
-            self._scheduler.__dict__.pop(name, None)
-        for name in ("forward", "_one", "_heads"):
-            self._runner.__dict__.pop(name, None)
-        for name, function in self._sampling.items():
-            setattr(self._module, name, function)
+        self.engine.remove_step_listener(self._record)
 
     def breakdown(self, start: float, end: float, rows: int) -> dict[str, Any]:
         """Mean milliseconds per pure decode step of all `rows` inside [start, end]."""
-        steps = [r for r in self.records if r.started >= start and r.ended <= end
-                 and r.decode_rows == rows and r.prefill_segments == 0]
+        steps = [t for decode_rows, calls, t in self.records
+                 if t.started >= start and t.ended <= end and decode_rows == rows and not calls]
         if not steps:
             return {"steps": 0}
         count = len(steps)
 
         def mean_ms(values: list[float]) -> float:
-            return round(1000 * sum(values) / count, 3)
+            return round(sum(values) / count, 3)
 
-        step_ms = mean_ms([r.ended - r.started for r in steps])
-        build_ms = mean_ms([r.build_s for r in steps])
-        eval_ms = mean_ms([r.forward_s - r.build_s for r in steps])
-        sample_ms = mean_ms([r.sample_s for r in steps])
         # Steps follow one another on the engine thread: what lies between two is the loop
-        # itself (wake-ups, admission checks) and the events handed to the callers.
+        # itself (wake-ups) and the events handed to the callers.
         gaps = [b.started - a.ended for a, b in zip(steps, steps[1:])
                 if b.started - a.ended < 0.5]
-        return {"steps": count, "step_ms": step_ms, "graph_build_ms": build_ms,
-                "forward_eval_ms": eval_ms, "sample_ms": sample_ms,
-                "scheduler_other_ms": round(step_ms - build_ms - eval_ms - sample_ms, 3),
+        return {"steps": count, "step_ms": mean_ms([t.total_ms for t in steps]),
+                "schedule_ms": mean_ms([t.schedule_ms for t in steps]),
+                "run_ms": mean_ms([t.run_ms for t in steps]),
+                "postprocess_ms": mean_ms([t.postprocess_ms for t in steps]),
                 "between_steps_ms": round(1000 * sum(gaps) / len(gaps), 3) if gaps else None}
 
 
@@ -719,13 +650,15 @@ def markdown(report: dict[str, Any]) -> str:
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "
                       "timers on the engine thread):", "",
-                      "| streams | step | graph build | forward eval (GPU wait) | sample | "
-                      "scheduler other | between steps |",
-                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "| streams | step | schedule | run (forward) | postprocess (sample, "
+                      "emit) | between steps |",
+                      "| ---: | ---: | ---: | ---: | ---: | ---: |"]
             for count, p in per_step:
-                lines.append(f"| {count} | {p['step_ms']:.2f} | {p['graph_build_ms']:.2f} | "
-                             f"{p['forward_eval_ms']:.2f} | {p['sample_ms']:.2f} | "
-                             f"{p['scheduler_other_ms']:.2f} | {p['between_steps_ms']} |")
+                if "run_ms" not in p:  # a report from before the step was three calls
+                    continue
+                lines.append(f"| {count} | {p['step_ms']:.2f} | {p['schedule_ms']:.2f} | "
+                             f"{p['run_ms']:.2f} | {p['postprocess_ms']:.2f} | "
+                             f"{p['between_steps_ms']} |")
         mlx_steps = [(count, parts["mlx-lm"]["step_ms"]) for count, parts in
                      sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
                      if "step_ms" in parts.get("mlx-lm", {})]

@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,9 @@ from rewind.engine.request import (
 )
 from rewind.engine.sampler import SequenceSampler
 from rewind.engine.runner import ModelRunner
-from rewind.engine.scheduler import SampleListener, Scheduler, Sequence
+from rewind.engine.scheduler import SampleListener, Scheduler
+from rewind.engine.sequence import Sequence
+from rewind.engine.step_plan import StepPlan
 from rewind.engine.stops import TextStream
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,36 @@ class RequestHandle:
         raise RuntimeError("event stream ended without a FinishEvent")  # unreachable
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """perf_counter stamps of one step: schedule() began, runner.run began, postprocess began,
+    postprocess ended."""
+
+    started: float
+    planned: float
+    ran: float
+    ended: float
+
+    @property
+    def schedule_ms(self) -> float:
+        return (self.planned - self.started) * 1e3
+
+    @property
+    def run_ms(self) -> float:
+        return (self.ran - self.planned) * 1e3
+
+    @property
+    def postprocess_ms(self) -> float:
+        return (self.ended - self.ran) * 1e3
+
+    @property
+    def total_ms(self) -> float:
+        return (self.ended - self.started) * 1e3
+
+
+StepListener = Callable[[StepPlan, StepTiming], None]
+
+
 def _eos_token_ids(tokenizer: Any, config: dict) -> set[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for cfg in (config, config.get("text_config") or {}):
@@ -190,6 +222,7 @@ class Engine:
         self.vocab_size = _vocab_size(loaded.model, loaded.tokenizer, loaded.config)
         self._grammar = GrammarBackend(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._listeners: list[SampleListener] = [self._record_sample]
+        self._step_listeners: list[StepListener] = []
         self._samples: dict[str, deque[float]] = {}
         self._build()
         self._wakeup = threading.Event()
@@ -293,9 +326,14 @@ class Engine:
             admitted=handle.admitted,
         )
         handle.usage = sequence.usage
-        self._scheduler.enqueue(sequence)
+        self._enqueue(sequence)
         self._wakeup.set()
         return handle
+
+    def _enqueue(self, sequence: Sequence) -> None:
+        """Hand a submitted sequence to the scheduler (rewind.parallel.replay's leader holds it
+        for the next step's broadcast instead)."""
+        self._scheduler.enqueue(sequence)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> Completion:
         """submit + collect: the whole output of one request."""
@@ -367,13 +405,53 @@ class Engine:
             # clearing them makes the process abort at exit ("terminate called ...").
             mx.clear_streams()
 
-    def _loop(self) -> None:
+    def step(self) -> bool:
+        """One engine step, engine thread only: the scheduler plans a forward pass, the runner
+        runs it, the scheduler reads its output (rewind.engine.step_plan). False when there was
+        nothing to run."""
         scheduler = self._scheduler
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        if plan is None:
+            return False
+        planned = time.perf_counter()
+        out = self.runner.run(plan)
+        ran = time.perf_counter()
+        scheduler.postprocess(plan, out)
+        if self._step_listeners or log.isEnabledFor(logging.DEBUG):
+            timing = StepTiming(started, planned, ran, time.perf_counter())
+            if log.isEnabledFor(logging.DEBUG):
+                # Where a stream's time between tokens goes (`rewind serve --log-level debug`).
+                layers = self.runner.layer_count or 1
+                work = ", ".join(f"{c.end - c.start}x{(c.stop or layers) - c.first}"
+                                 for c in plan.prefill)
+                log.debug("step %d%s: %d decoding (%d drafting), prefill [%s] (tokens x "
+                          "layers), %.1f ms (schedule %.1f, run %.1f, postprocess %.1f)",
+                          scheduler.counters.steps, " (further pass)" if plan.continuation
+                          else "", plan.decode_rows, len(plan.drafts), work,
+                          timing.total_ms, timing.schedule_ms, timing.run_ms,
+                          timing.postprocess_ms)
+            for listener in self._step_listeners:
+                try:
+                    listener(plan, timing)
+                except Exception:  # a bench's hook must not break generation
+                    log.exception("step listener failed")
+        return True
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call `listener(plan, timing)` after every step, on the engine thread (benches time
+        the three calls with it)."""
+        self._step_listeners = [*self._step_listeners, listener]
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        self._step_listeners = [f for f in self._step_listeners if f != listener]
+
+    def _loop(self) -> None:
         busy = False
         while not self._stopping.is_set():
             self._wakeup.clear()  # before the step: a submit during it keeps the flag set
             try:
-                did_work = scheduler.step()
+                did_work = self.step()
                 if busy and not did_work:
                     # Idle again: the requests' temporaries are freed (by reference counting; a
                     # full garbage collection would hold the next request ~45 ms): hand them

@@ -23,48 +23,18 @@ in the last bits. `ModelRunner.prefill` is the one chunk loop of a sequence pref
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from rewind.cache.checkpoints import BLOCK_TOKENS, engine_chunk_tokens, prefill_plan
-from rewind.engine.positions import given_positions
+from rewind.engine.positions import given_positions, takes_positions
 from rewind.engine.residuals import given_residuals
+from rewind.engine.segment import RowCaches, Segment
+from rewind.engine.step_inputs import decode_segments, prefill_segment
+from rewind.engine.step_plan import StepOutput, StepPlan
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.kernels.model_split import pipeline_stages, split_model
-
-
-@dataclass
-class Segment:
-    """One block of a step: tokens [B, L] into `cache` (per-layer caches; B rows of a batch cache
-    for the decode batch)."""
-
-    tokens: mx.array
-    cache: list[Any]
-    logits: bool = False  # return the last position's logits [B, vocab]
-    embeds: mx.array | None = None  # input embeddings [B, L, H] (image prompts)
-    positions: mx.array | None = None  # explicit rotary positions [3, B, L] (Qwen-VL)
-    residuals: Any = None  # per-layer residual inputs (Qwen3-VL's deepstack features)
-    # Layer slicing (runners whose `layer_count` is not None): run only the layers before
-    # `stop`; the rows still in flight are left in `carry`, which a later call continues from
-    # (its `tokens` then unused). After a call `carry` is None once the segment passed them all.
-    stop: int | None = None
-    carry: Any = None
-    # With `logits`: how many last positions' logits, [B, n, vocab] when more than 1 (a
-    # speculative step's verification reads the model's choice after every drafted token).
-    logit_positions: int = 1
-
-    @property
-    def plain(self) -> bool:
-        """No per-call model state: can share a forward pass with other segments."""
-        return self.positions is None and self.residuals is None
-
-
-class RowCaches(list):
-    """A decode batch as its rows' own batch-1 caches (one per-layer list each), for a backend
-    whose forward pass shares weights across segments (the CPU kernels): each row then decodes
-    as its own segment, computed as it would be alone."""
 
 
 class ModelRunner:
@@ -169,6 +139,39 @@ class ModelRunner:
             if end < total:
                 mx.clear_cache()  # chunk temporaries: keep peak memory at one chunk's worth
         return last
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """One plan's forward pass (rewind.engine.step_plan): the decode rows and the prompt
+        calls it lists, in one pass where the backend allows. A request's own inputs failing
+        (its image features) leave its call out of the pass and are reported in the output; a
+        failing forward call raises, since which row caused it is unknown and every cache in
+        the pass may be half advanced."""
+        out = StepOutput(prefill_logits=[None] * len(plan.prefill),
+                         carried=[None] * len(plan.prefill))
+        segments: list[Segment] = []
+        if plan.decode:
+            try:
+                segments = decode_segments(plan, takes_positions(self.model))
+            except Exception as exc:  # noqa: BLE001 - reported: the rows end, the pass runs
+                out.decode_failed = exc
+        decode_count = len(segments)
+        taken: list[int] = []
+        for index, call in enumerate(plan.prefill):
+            try:
+                segments.append(prefill_segment(call))
+            except Exception as exc:  # noqa: BLE001 - reported: that request ends, not the pass
+                out.failed[index] = exc
+                continue
+            taken.append(index)
+        if not segments:
+            return out
+        logits = self.forward(segments, evaluate=not plan.pipelined)
+        out.decode_logits = logits[:decode_count]
+        for index, segment, call_logits in zip(taken, segments[decode_count:],
+                                               logits[decode_count:]):
+            out.prefill_logits[index] = call_logits
+            out.carried[index] = segment.carry
+        return out
 
     def forward(self, segments: list[Segment], evaluate: bool = True) -> list[mx.array | None]:
         """Run every segment; return each one's last-position logits [B, vocab] where it asked

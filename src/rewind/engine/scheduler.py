@@ -1,6 +1,12 @@
 """The scheduler: admits requests into N slots and decides, step by step, what the model runs.
 
 Runs on the engine thread only (the one thread that touches the model and every live cache).
+A step is three calls (Engine.step): `schedule()` settles what the step before left (tokens
+still in flight, cancellations, admission) and returns the pass to run as a StepPlan;
+runner.run(plan) runs it; `postprocess(plan, output)` samples and emits tokens, verifies drafts,
+takes checkpoints and moves sequences from prefill to the decode batch. Which prompt calls a
+step runs is rewind.engine.planner's, a pure function of positions and costs.
+
 Each step runs every decoding row plus prompt chunks of waiting sequences, up to a token budget
 (`EngineConfig.mixed_prefill_tokens` while rows decode, `prefill_chunk` when none does), as vLLM
 and SGLang schedule: a long prompt arriving mid-stream delays the running rows by one budget's
@@ -29,66 +35,37 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.cache.checkpoints import chunk_ends, decode_checkpoint, is_checkpoint
+from rewind.cache.checkpoints import decode_checkpoint, is_checkpoint
 from rewind.cache.rollback import roll_back, rolls_back
 from rewind.config import PASS_TOKENS, EngineConfig
+from rewind.engine.planner import passes_every_layer, plan_prefill
 from rewind.engine.positions import takes_positions
 from rewind.engine.request import (
     EngineStoppedError,
     FinishEvent,
     FinishReason,
-    GenerationRequest,
     QueueFullError,
     TokenEvent,
-    Usage,
 )
-from rewind.engine.runner import ModelRunner, RowCaches, Segment
+from rewind.engine.runner import ModelRunner
 from rewind.engine.sampler import (
     LazySamples,
     Sampled,
-    SequenceSampler,
     read_samples,
     sample_lazy,
     sample_rows,
 )
-from rewind.engine.speculation import RowDrafts, Speculator, resolve_mode, tenant_of
-from rewind.engine.stops import TextStream
+from rewind.engine.segment import RowCaches
+from rewind.engine.sequence import EventSink, Sequence
+from rewind.engine.speculation import Speculator, resolve_mode, tenant_of
+from rewind.engine.step_inputs import plain_rows
+from rewind.engine.step_plan import PrefillSlice, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[[TokenEvent | FinishEvent], None]
+__all__ = ["Counters", "EventSink", "SampleListener", "Scheduler", "Sequence"]
+
 SampleListener = Callable[[str, float], None]
-
-
-@dataclass
-class Sequence:
-    """One request's life inside the engine."""
-
-    request: GenerationRequest
-    emit: EventSink
-    sampler: SequenceSampler
-    text: TextStream
-    submitted_at: float
-    usage: Usage
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    # Set once it holds a slot and its cached prefix is restored (usage.cached_tokens is final),
-    # or once it finished without: Anthropic's stream reports cache figures in its first event.
-    admitted: threading.Event = field(default_factory=threading.Event)
-    cache: list[Any] | None = None  # its own batch-1 cache while prefilling
-    prefilled: int = 0  # prompt tokens held by `cache`
-    # A chunk part-way through the layers (runner.layer_count): its end and its rows in flight.
-    # `cache` then holds the chunk in the layers it passed; `prefilled` counts it once all did.
-    partial_end: int = 0
-    partial: Any = None
-    checkpoint_at: set[int] = field(default_factory=set)  # extra checkpoint positions
-    generated: list[int] = field(default_factory=list)
-    next_input: int = -1  # last sampled token, the input of its next decode step
-    last_token_at: float = 0.0
-    drafts: RowDrafts | None = None  # its speculative-decoding state, while it may draft
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt_tokens
 
 
 @dataclass
@@ -109,17 +86,6 @@ class Counters:
     partial_chunk_calls: int = 0
     # Prefill-only passes a mixed step ran after the decoding rows' (a sequence's next call).
     extra_prefill_passes: int = 0
-
-
-@dataclass
-class Chunk:
-    """One prefill call of one sequence: prompt positions [start, end)."""
-
-    seq: Sequence
-    start: int
-    end: int
-    stop: int | None = None  # run only the layers before this one (None: all)
-    first: int = 0  # the layer it starts at (a chunk in flight goes on where it stopped)
 
 
 class Scheduler:
@@ -165,6 +131,10 @@ class Scheduler:
         self.batch_cache: list[Any] | None = None
         self._typical_request_seconds = 0.0  # moving average over finished requests
         self._restored_now = False  # this step restored a prefix from the prompt cache
+        # The passes the last step planned after its first (prefill only), and whether that
+        # step's prefill was sliced beside decoding rows (rewind.engine.planner).
+        self._later_passes: list[list[PrefillSlice[Sequence]]] = []
+        self._sliced = False
         self.closed: str | None = None  # why enqueue() refuses (close()); None: it takes requests
 
     # ---- called from any thread -------------------------------------------------------------
@@ -175,10 +145,10 @@ class Scheduler:
                 raise EngineStoppedError(self.closed)
             if len(self.waiting) >= self.config.max_queue:
                 raise QueueFullError(len(self.waiting), self.config.max_queue,
-                                     self._retry_after(len(self.waiting)))
+                                     self.retry_after(len(self.waiting)))
             self.waiting.append(seq)
 
-    def _retry_after(self, queued: int) -> float:
+    def retry_after(self, queued: int) -> float:
         """When a slot is likely free for one more: the queue ahead drains `parallel` requests
         per typical request time (1 s before any request finished)."""
         typical = self._typical_request_seconds or 1.0
@@ -194,58 +164,106 @@ class Scheduler:
 
     # ---- engine thread only -----------------------------------------------------------------
 
-    def step(self) -> bool:
-        """One loop iteration; False when there was nothing to do.
+    def schedule(self) -> StepPlan | None:
+        """This step's forward pass as a plan (rewind.engine.step_plan); None when there is
+        nothing to run. Settles first what the step before left: the tokens of a pipelined
+        step still in flight when this one cannot be pipelined, the cancelled requests, and
+        admission (restoring each admitted prompt's cached prefix)."""
+        if self._inflight is not None:
+            if self._can_pipeline():
+                return self._pipelined_plan()
+            self._flush()
+        plan = self._continuation()
+        if plan is not None:
+            return plan
+        self._drop_cancelled()
+        self._restored_now = False
+        admitted = self._admit()
+        if not self.prefilling and not self.decoding:
+            return None
+        if self._can_pipeline():
+            return self._pipelined_plan()
+        self.counters.steps += 1
+        drafts: list[tuple[int, list[int]]] = []
+        if self.decoding:
+            try:
+                drafts = self._drafts()
+            except Exception as exc:
+                self._fail_decoding(exc)
+        # Sliced passes are planned within the mixed budget, whole-chunk passes are not.
+        self._sliced = self._slicing
+        passes = self._plan_prefill()
+        self._later_passes = passes[1:]
+        return self._plan(passes[0] if passes else [], drafts=drafts, admitted=admitted)
+
+    def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
+        """Read the pass's output against its plan: sample and emit the decode rows' tokens
+        (verifying drafts), move each prompt call's sequence on (checkpoint, first token, into
+        the decode batch), end the requests whose own inputs or outputs failed.
 
         A failure of one request's own inputs or outputs (its image embeddings, its sampler or
         grammar, its text, its checkpoint) ends that request here. A failure of the model's work
-        (a forward call, or the evaluation of its outputs) raises out of step(): which row
-        caused it is unknown and every cache in the pass may be half advanced, so the engine
-        ends all its requests and stops (Engine._fail)."""
-        if self._inflight is not None:
-            if self._can_pipeline():
-                self._pipelined_step()
-                return True
-            self._flush()
-        started = time.perf_counter()
-        self._drop_cancelled()
-        self._restored_now = False
-        self._admit()
-        if not self.prefilling and not self.decoding:
-            return False
-        if self._can_pipeline():
-            self._pipelined_step()
-            return True
-        self.counters.steps += 1
-        admitted = time.perf_counter()
-        rows = len(self.decoding)
-        # Sliced rounds are planned within the mixed budget, whole-chunk rounds are not.
-        sliced = self._slicing
-        rounds = self._plan_prefill()
-        self._run_round(rounds[0] if rounds else [], with_decode=bool(self.decoding))
-        ran = 1
-        for chunks in rounds[1:]:
-            if self.decoding and not sliced:
-                # A prompt finished in an earlier round and its sequence now decodes: the rest of
-                # this step's prefill (up to `prefill_chunk` tokens, seconds on a CPU) would hold
+        (a forward call, or the evaluation of its outputs) raises out of runner.run or here:
+        which row caused it is unknown and every cache in the pass may be half advanced, so the
+        engine ends all its requests and stops (Engine._fail)."""
+        if plan.pipelined:
+            self._after_pipelined(plan, out)
+            return
+        if out.decode_failed is not None:
+            self._fail_decoding(out.decode_failed)
+        for index, exc in out.failed.items():
+            self._fail_prefill(plan.prefill[index].prompt, exc)
+        if plan.decode and out.decode_failed is None and out.decode_logits:
+            if plan.drafts:
+                self._after_verify(plan, out.decode_logits)
+            else:
+                self._after_decode(out.decode_logits[0])
+        checkpoints = {id(call) for call in plan.checkpoints}
+        for index, call in enumerate(plan.prefill):
+            if index in out.failed:
+                continue
+            seq, carry = call.prompt, out.carried[index]
+            done = (self.layer_count or 1) if carry is None else carry.done
+            self.counters.prefill_token_layers += (call.end - call.start) * (done - call.first)
+            if carry is not None:  # layers left: it goes on in a later step
+                self.counters.partial_chunk_calls += 1
+                seq.partial, seq.partial_end = carry, call.end
+                continue
+            seq.partial = None
+            self._after_chunk(call, out.prefill_logits[index], id(call) in checkpoints)
+
+    def _plan(self, calls: list[PrefillSlice[Sequence]], drafts: list[tuple[int, list[int]]],
+              admitted: list[Sequence], continuation: bool = False) -> StepPlan:
+        # A call that passes every layer and ends at a checkpoint position is checkpointed
+        # after the pass (rewind.cache.checkpoints: block and message boundaries, the prompt's
+        # last token but one).
+        checkpoints = [c for c in calls if passes_every_layer(c, self.layer_count)
+                       and is_checkpoint(c.end, c.prompt.prompt_length, self.block_tokens,
+                                         c.prompt.checkpoint_at)]
+        return StepPlan(decode=[] if continuation else list(self.decoding),
+                        batch=None if continuation else self.batch_cache,
+                        drafts=drafts, prefill=calls, checkpoints=checkpoints,
+                        continuation=continuation, admitted=admitted)
+
+    def _continuation(self) -> StepPlan | None:
+        """The next prefill-only pass the last step planned (rewind.engine.planner), if it
+        still applies."""
+        while self._later_passes:
+            calls = self._later_passes.pop(0)
+            if self.decoding and not self._sliced:
+                # A prompt finished in an earlier pass and its sequence now decodes: the rest of
+                # the step's prefill (up to `prefill_chunk` tokens, seconds on a CPU) would hold
                 # its second token; the next steps mix it with prefill under the budget instead.
-                break
-            # A sequence that ended meanwhile (a failed call) drops out of the later rounds.
-            chunks = [c for c in chunks if c.seq in self.prefilling and c.seq.prefilled == c.start]
-            if chunks:
-                self._run_round(chunks, with_decode=False)
-                if sliced:
+                self._later_passes = []
+                return None
+            # A sequence that ended meanwhile (a failed call) drops out of the later passes.
+            calls = [c for c in calls
+                     if c.prompt in self.prefilling and c.prompt.prefilled == c.start]
+            if calls:
+                if self._sliced:
                     self.counters.extra_prefill_passes += 1
-            ran += 1
-        if log.isEnabledFor(logging.DEBUG):
-            # Where a stream's time between tokens goes (`rewind serve --log-level debug`).
-            work = ", ".join(f"{c.end - c.start}x{(c.stop or self.layer_count or 1) - c.first}"
-                             for chunks in rounds[:ran] for c in chunks)
-            now = time.perf_counter()
-            log.debug("step %d: %d decoding, prefill [%s] (tokens x layers), %.1f ms "
-                      "(admission %.1f ms)", self.counters.steps, rows, work,
-                      (now - started) * 1e3, (admitted - started) * 1e3)
-        return True
+                return self._plan(calls, drafts=[], admitted=[], continuation=True)
+        return None
 
     def close(self, reason: FinishReason, error: str) -> None:
         """abort_all, and refuse every later enqueue with EngineStoppedError(error): a request
@@ -264,6 +282,7 @@ class Scheduler:
         self.decoding = []
         self.batch_cache = None
         self._inflight = None
+        self._later_passes = []
 
     # ---- pipelined decode -------------------------------------------------------------------
 
@@ -277,28 +296,29 @@ class Scheduler:
             return False
         return not any(s.cancelled.is_set() or s.sampler.needs_history for s in self.decoding)
 
-    def _pipelined_step(self) -> None:
-        """Queue a decode step on the in-flight tokens (or the rows' last ones), then read and
-        emit the in-flight ones while it runs."""
+    def _pipelined_plan(self) -> StepPlan:
+        """A decode step queued on the in-flight tokens (or the rows' last ones); their reading
+        and emission wait for postprocess, while it runs."""
         self.counters.steps += 1
         self.counters.pipelined_steps += 1
-        previous = self._inflight
-        inputs = (mx.array([[s.next_input] for s in self.decoding]) if previous is None
-                  else previous.tokens.reshape(-1, 1))
-        self._inflight = None
-        # A failing forward call raises out of step() (see step).
-        logits = self.runner.forward(
-            [Segment(inputs, self.batch_cache or [], logits=True)], evaluate=False)[0]
+        previous, self._inflight = self._inflight, None
+        return StepPlan(decode=list(self.decoding), batch=self.batch_cache or [],
+                        pipelined=True, fed=previous)
+
+    def _after_pipelined(self, plan: StepPlan, out: StepOutput) -> None:
+        if out.decode_failed is not None:
+            self._fail_decoding(out.decode_failed)
+            return
         try:
-            lazy = sample_lazy([s.sampler for s in self.decoding], logits)
+            lazy = sample_lazy([s.sampler for s in self.decoding], out.decode_logits[0])
         except Exception as exc:
             self._fail_decoding(exc)
             return
         mx.async_eval(lazy.arrays())
         self._inflight = lazy
-        if previous is not None:
+        if plan.fed is not None:
             # The step just queued fed these tokens: the caches hold them once it is done.
-            self._emit_decoded(previous, fed=True)
+            self._emit_decoded(plan.fed, fed=True)
 
     def _flush(self) -> None:
         """Read and emit the in-flight step's tokens; afterwards the caches hold every generated
@@ -326,11 +346,12 @@ class Scheduler:
         if gone:
             mx.clear_cache()  # hand the freed cache memory back now, not at some later step
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
         while self.running < self.config.parallel:
             with self._lock:
                 if not self.waiting:
-                    return
+                    return admitted
                 seq = self.waiting.popleft()
             try:
                 self._start_prefill(seq)
@@ -340,6 +361,8 @@ class Scheduler:
                 continue
             seq.admitted.set()
             self.prefilling.append(seq)
+            admitted.append(seq)
+        return admitted
 
     def _start_prefill(self, seq: Sequence) -> None:
         usage = seq.usage
@@ -375,7 +398,7 @@ class Scheduler:
     @property
     def _slicing(self) -> bool:
         """Whether this step's prefill goes beside decoding rows in layer slices (the CPU
-        kernels), planned by `_plan_slices`."""
+        kernels), planned by rewind.engine.planner."""
         return bool(self.decoding) and self.layer_count is not None
 
     def _prefill_budget(self) -> int:
@@ -385,176 +408,14 @@ class Scheduler:
             return max(self.mixed_prefill_tokens - len(self.decoding), 1)
         return max(self.config.prefill_chunk, 1)
 
-    def _plan_prefill(self) -> list[list[Chunk]]:
-        """This step's prefill calls in rounds: round r holds the r-th chunk of each sequence
-        that gets one. Chunks of one sequence depend on each other; chunks of different ones
-        share a forward pass (each weight read once for all), so the budget goes round-robin
-        over the waiting prompts, oldest first. At least one chunk per step, so a full decode
-        batch cannot starve a waiting prompt."""
-        budget = self._prefill_budget()
-        if self._slicing:
-            if self._restored_now:
-                # The restore (copying a long prefix into live caches) was this step's share
-                # of work beside the decoding rows; prefill goes on next step.
-                return []
-            return self._plan_slices(budget)
-        pending = {id(seq): chunk_ends(seq.prefilled, len(seq.prompt), self.chunk_tokens,
-                                       seq.checkpoint_at) for seq in self.prefilling}
-        starts = {id(seq): seq.prefilled for seq in self.prefilling}
-        rounds: list[list[Chunk]] = []
-        for depth in range(max((len(ends) for ends in pending.values()), default=0)):
-            chunks: list[Chunk] = []
-            for seq in self.prefilling:
-                ends = pending[id(seq)]
-                if depth >= len(ends):
-                    continue
-                start, end = starts[id(seq)], ends[depth]
-                if end - start > budget and (rounds or chunks):
-                    break
-                first = seq.partial.done if seq.partial is not None and depth == 0 else 0
-                chunks.append(Chunk(seq, start, end, first=first))
-                budget -= end - start
-                starts[id(seq)] = end
-            else:
-                rounds.append(chunks)
-                continue
-            if chunks:
-                rounds.append(chunks)
-            break
-        return rounds
-
-    def _plan_slices(self, budget: int) -> list[list[Chunk]]:
-        """This step's prefill work next to the decoding rows, where a chunk's layers can be
-        spread over steps: `budget` prompt tokens' worth of work through every layer at no
-        context, counted with each layer's attention over what the sequence holds
-        (runner.layer_costs), oldest prompt first, at least one layer of one chunk. Each
-        sequence goes on with its chunk in flight or starts its next one; the chunk grid, and so
-        the answer, is the same as whole chunks'. A prompt's last call goes alone in its pass:
-        its sequence then joins the decode batch.
-
-        Round 0 shares the decoding rows' pass. Budget left after it goes to further passes
-        (prefill only) for the sequences whose chunk passed every layer: their next chunk
-        depends on it, so it needs a pass of its own, charged `PASS_TOKENS` for reading the
-        weights again. Those passes are for the small calls the checkpoints cut (a message
-        boundary, the prompt's last token but one), which would otherwise cost a step each."""
-        total_layers = self.layer_count or 1
-        unit = sum(self.runner.layer_costs(0))
-        left = budget * unit
-        # (sequence, start, end of its call in flight or None, layers that call has passed)
-        candidates = [(seq, seq.prefilled,
-                       seq.partial_end if seq.partial is not None else None,
-                       seq.partial.done if seq.partial is not None else 0)
-                      for seq in self.prefilling]
-        rounds: list[list[Chunk]] = []
-        while candidates and left > 0:
-            if rounds:
-                left -= PASS_TOKENS * unit
-                if left <= 0:
-                    break
-            chunks: list[Chunk] = []
-            for seq, start, end, done in candidates:
-                if end is None:
-                    end = chunk_ends(start, len(seq.prompt), self.chunk_tokens,
-                                     seq.checkpoint_at)[0]
-                tokens = end - start
-                joins = end == len(seq.prompt)
-                if joins and chunks:
-                    break
-                costs = [tokens * cost for cost in self.runner.layer_costs(end)]
-                if not self._sliceable(seq):
-                    stop, spent = None, sum(costs[done:])
-                    if spent > left and (chunks or rounds):
-                        break
-                else:
-                    stop, spent = done, 0.0
-                    while stop < total_layers and spent + costs[stop] <= left:
-                        spent += costs[stop]
-                        stop += 1
-                    if stop == done:
-                        if chunks or rounds:
-                            break
-                        stop, spent = done + 1, costs[done]
-                chunks.append(Chunk(seq, start, end, stop=stop, first=done))
-                left -= spent
-                if left <= 0 or joins:
-                    break
-            if not chunks:
-                break
-            rounds.append(chunks)
-            # Next pass: the sequences whose call passed every layer and has prompt after it (a
-            # joining call ends its sequence's prefill).
-            candidates = [(c.seq, c.end, None, 0) for c in chunks
-                          if c.stop in (None, total_layers) and c.end < len(c.seq.prompt)]
-        return rounds
-
-    @staticmethod
-    def _sliceable(seq: Sequence) -> bool:
-        """Whether its calls can stop between layers: no per-call model state (rotary positions,
-        per-layer residuals) to carry over."""
-        return seq.request.positions is None and seq.request.layer_residuals is None
-
-    def _chunk_segment(self, chunk: Chunk) -> Segment:
-        seq, start, end = chunk.seq, chunk.start, chunk.end
-        request = seq.request
-        # The ids the model is given: the prompt's, or the image prompt's model_tokens where its
-        # model reads more than embeddings from them (Gemma 4's per-layer inputs: image tokens
-        # as 0). Cache keys and checkpoints keep seq.prompt.
-        ids = seq.prompt if request.model_tokens is None else request.model_tokens
-        if seq.partial is not None:  # its rows are in flight: no new inputs
-            return Segment(tokens=mx.array([[0]]), cache=seq.cache or [],
-                           logits=chunk.end == len(seq.prompt), stop=chunk.stop,
-                           carry=seq.partial)
-        return Segment(
-            tokens=mx.array([ids[start:end]]),
-            cache=seq.cache or [],
-            logits=end == len(seq.prompt),
-            # Image prompts: this chunk's input embeddings (image features in image spans).
-            embeds=None if request.embed is None else request.embed(start, end),
-            # Qwen-VL image prompts: their 3-D rotary positions (rewind.engine.positions);
-            # Qwen3-VL's: the features added after its first layers (engine.residuals).
-            positions=None if request.positions is None else request.positions(start, end),
-            residuals=(None if request.layer_residuals is None
-                       else request.layer_residuals(start, end)),
-            stop=chunk.stop,
-        )
-
-    def _run_round(self, chunks: list[Chunk], with_decode: bool) -> None:
-        """One forward pass: the decode batch (when `with_decode`) and these prefill chunks."""
-        segments: list[Segment] = []
-        drafted: list[tuple[int, list[int]]] = []
-        if with_decode:
-            try:
-                drafted = self._drafts()
-                segments.extend(self._decode_segments(drafted))
-            except Exception as exc:
-                self._fail_decoding(exc)
-                with_decode, drafted = False, []
-        decode_segments = len(segments)
-        taken: list[tuple[Chunk, Segment]] = []
-        for chunk in chunks:
-            try:  # a request's own inputs (image features) failing ends that request only
-                segments.append(self._chunk_segment(chunk))
-                taken.append((chunk, segments[-1]))
-            except Exception as exc:
-                self._fail_prefill(chunk.seq, exc)
-        if not segments:
-            return
-        # A failing forward call raises out of step() (see step).
-        logits = self.runner.forward(segments)
-        if with_decode and drafted:
-            self._after_verify(drafted, logits[:decode_segments])
-        elif with_decode:
-            self._after_decode(logits[0])
-        logits = logits[decode_segments:]
-        for (chunk, segment), chunk_logits in zip(taken, logits):
-            done = (self.layer_count or 1) if segment.carry is None else segment.carry.done
-            self.counters.prefill_token_layers += (chunk.end - chunk.start) * (done - chunk.first)
-            if segment.carry is not None:  # layers left: it goes on in a later step
-                self.counters.partial_chunk_calls += 1
-                chunk.seq.partial, chunk.seq.partial_end = segment.carry, chunk.end
-                continue
-            chunk.seq.partial = None
-            self._after_chunk(chunk, chunk_logits)
+    def _plan_prefill(self) -> list[list[PrefillSlice[Sequence]]]:
+        """This step's prompt calls in passes (rewind.engine.planner), the oldest prompt first."""
+        if self._slicing and self._restored_now:
+            # The restore (copying a long prefix into live caches) was this step's share of
+            # work beside the decoding rows; prefill goes on next step.
+            return []
+        return plan_prefill(list(self.prefilling), self._prefill_budget(), self.chunk_tokens,
+                            self.runner, sliced=self._slicing, pass_tokens=PASS_TOKENS)
 
     def _fail_prefill(self, seq: Sequence, exc: Exception) -> None:
         log.error("prefill of %s failed: %s: %s", seq.request.request_id, type(exc).__name__, exc)
@@ -563,17 +424,15 @@ class Scheduler:
             seq.cache, seq.partial = None, None
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
-    def _after_chunk(self, chunk: Chunk, logits: mx.array | None) -> None:
-        seq, end = chunk.seq, chunk.end
+    def _after_chunk(self, call: PrefillSlice[Sequence], logits: mx.array | None,
+                     checkpoint: bool) -> None:
+        seq, end = call.prompt, call.end
         if seq not in self.prefilling:
             return  # ended meanwhile
         seq.prefilled = end
-        self.counters.prefilled_tokens += end - chunk.start
-        total = len(seq.prompt)
-        if end < total:
-            # Block boundaries, the points the request named (message boundaries), and the
-            # prompt's last token but one.
-            if is_checkpoint(end, total, self.block_tokens, seq.checkpoint_at):
+        self.counters.prefilled_tokens += end - call.start
+        if end < seq.prompt_length:
+            if checkpoint:
                 self._checkpoint(seq, seq.prompt[:end], seq.cache or [])
             return
         try:
@@ -688,30 +547,7 @@ class Scheduler:
                 left -= len(draft)
         return sorted(out)
 
-    def _decode_segments(self, drafted: list[tuple[int, list[int]]]) -> list[Segment]:
-        """The decode step's segments: every row as one (RowCaches: a call per row in one pass),
-        or, with drafts, the rows that draft each as its own call over [input, drafts] with
-        logits at every position, then the others together."""
-        if not drafted:
-            return [Segment(tokens=mx.array([[s.next_input] for s in self.decoding]),
-                            cache=self.batch_cache or [], logits=True,
-                            positions=self._decode_positions())]
-        batch = self.batch_cache or []
-        segments = [Segment(tokens=mx.array([[self.decoding[row].next_input, *draft]]),
-                            cache=batch[row], logits=True, logit_positions=len(draft) + 1)
-                    for row, draft in drafted]
-        plain = self._plain_rows(drafted)
-        if plain:
-            segments.append(Segment(tokens=mx.array([[self.decoding[r].next_input] for r in plain]),
-                                    cache=RowCaches([batch[r] for r in plain]), logits=True))
-        return segments
-
-    def _plain_rows(self, drafted: list[tuple[int, list[int]]]) -> list[int]:
-        drafting = {row for row, _ in drafted}
-        return [r for r in range(len(self.decoding)) if r not in drafting]
-
-    def _after_verify(self, drafted: list[tuple[int, list[int]]],
-                      logits: list[mx.array | None]) -> None:
+    def _after_verify(self, plan: StepPlan, logits: list[mx.array | None]) -> None:
         """Emit a speculative step's tokens: each drafting row's, position by position, as its
         sampler draws them from the logits after the tokens accepted before, up to the first
         that differs from the draft (that one is the model's own, and emitted too); then roll
@@ -719,7 +555,8 @@ class Scheduler:
         speculator = self.speculator
         assert speculator is not None
         batch = self.batch_cache or []
-        plain = self._plain_rows(drafted)
+        drafted = plan.drafts
+        plain = plain_rows(plan)
         try:
             plain_samples = (read_samples(sample_lazy([self.decoding[r].sampler for r in plain],
                                                       logits[len(drafted)]))
@@ -783,17 +620,6 @@ class Scheduler:
                 break
             accepted += 1
         return emitted, accepted, True
-
-    def _decode_positions(self) -> mx.array | None:
-        """[3, rows, 1] rotary positions of this decode step's inputs on a model that takes
-        positions (rewind.engine.positions): each row's input is token index `held` of its
-        sequence, at position held + the request's position_delta. None on other models."""
-        if not takes_positions(self.model):
-            return None
-        rows = [len(s.prompt) + len(s.generated) - 1 + s.request.position_delta
-                for s in self.decoding]
-        return mx.broadcast_to(mx.array(rows, dtype=mx.int32)[None, :, None],
-                               (3, len(rows), 1))
 
     def _decode_checkpoints(self, finished_rows: set[int], fed: bool = False) -> None:
         """Checkpoint a decoding sequence every block it holds and where it ends (the next

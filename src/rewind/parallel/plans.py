@@ -1,4 +1,4 @@
-"""What rank 0 sends the other ranks before each engine step: the requests submitted since the
+"""What rank 0 sends the other ranks before each engine step (its StepInputs): the requests submitted since the
 last step, the ones cancelled, and whether to stop. The scheduler is deterministic given its
 queue, its cancellations and the logits (the same on every rank), so with these every rank's
 scheduler takes the same decisions and issues the same forward calls.
@@ -18,7 +18,7 @@ from rewind.engine.request import GenerationRequest, InvalidRequestError, Sampli
 
 
 @dataclass
-class StepPlan:
+class StepInputs:
     submitted: list[GenerationRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)  # request ids
     stop: bool = False
@@ -28,7 +28,7 @@ class StepPlan:
                            "cancelled": self.cancelled, "stop": self.stop}).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> "StepPlan":
+    def decode(cls, data: bytes) -> "StepInputs":
         body = json.loads(data)
         return cls([_request_from(r) for r in body["submitted"]], list(body["cancelled"]),
                    bool(body["stop"]))

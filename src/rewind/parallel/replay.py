@@ -2,7 +2,7 @@
 rank 0 deciding what each step starts from.
 
 Rank 0 (`LeaderEngine`) takes requests from HTTP like any Engine, but they reach its scheduler
-only at a step boundary: before each step it sends the other ranks a StepPlan (requests
+only at a step boundary: before each step it sends the other ranks a StepInputs (requests
 submitted and cancelled since the last step), applies the same plan itself, then steps. The other
 ranks (`FollowerEngine`) receive each plan, apply it to their own scheduler and step. Admission,
 chunking, batching, checkpoints and sampling are deterministic given the plan and the logits
@@ -28,9 +28,9 @@ import mlx.core as mx
 
 from rewind.engine import Engine
 from rewind.engine.request import FinishEvent, GenerationRequest, QueueFullError
-from rewind.engine.scheduler import Sequence
+from rewind.engine.sequence import Sequence
 from rewind.parallel.group import broadcast_bytes
-from rewind.parallel.plans import StepPlan, check_replayable
+from rewind.parallel.plans import StepInputs, check_replayable
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,6 @@ class LeaderEngine(Engine):
         # request id -> (its sequence, the handle's cancel flag); the sequence's own flag is
         # set only when a plan carries the cancellation.
         self._live: dict[str, tuple[Sequence, threading.Event]] = {}
-        # Engine.submit builds the Sequence and hands it to the scheduler's enqueue: here it
-        # waits for the next plan instead (an instance attribute on our own scheduler, so the
-        # Scheduler class stays as it is for every other engine).
-        self._enqueue_now = self._scheduler.enqueue
-        self._scheduler.enqueue = self._defer  # type: ignore[method-assign]
 
     def submit(self, request: GenerationRequest) -> Any:
         check_replayable(request)
@@ -60,26 +55,27 @@ class LeaderEngine(Engine):
                 request, params=dataclasses.replace(request.params, seed=secrets.randbits(63)))
         return super().submit(request)
 
-    def _defer(self, seq: Sequence) -> None:
+    def _enqueue(self, seq: Sequence) -> None:
+        """Engine.submit's sequence waits for the next step's inputs instead of the queue."""
         scheduler = self._scheduler
         with self._plan_lock:
             queued = scheduler.queued + len(self._pending)
             if queued >= self.config.max_queue:
                 raise QueueFullError(queued, self.config.max_queue,
-                                     scheduler._retry_after(queued))
+                                     scheduler.retry_after(queued))
             handle_flag = seq.cancelled
             seq.cancelled = threading.Event()
             self._pending.append(seq)
             self._live[seq.request.request_id] = (seq, handle_flag)
 
-    def _next_plan(self) -> tuple[StepPlan, list[Sequence]]:
+    def _next_plan(self) -> tuple[StepInputs, list[Sequence]]:
         with self._plan_lock:
             new, self._pending = self._pending, []
             cancelled = [rid for rid, (seq, flag) in self._live.items()
                          if flag.is_set() and not seq.cancelled.is_set()]
-        return StepPlan([s.request for s in new], cancelled), new
+        return StepInputs([s.request for s in new], cancelled), new
 
-    def _apply(self, plan: StepPlan, new: list[Sequence]) -> None:
+    def _apply(self, plan: StepInputs, new: list[Sequence]) -> None:
         for seq in new:
             emit = seq.emit
 
@@ -90,7 +86,7 @@ class LeaderEngine(Engine):
                 emit(event)
 
             seq.emit = forget
-            self._enqueue_now(seq)
+            self._scheduler.enqueue(seq)
         for rid in plan.cancelled:
             with self._plan_lock:
                 entry = self._live.get(rid)
@@ -110,9 +106,9 @@ class LeaderEngine(Engine):
                     continue
                 broadcast_bytes(self.group, plan.encode())
                 self._apply(plan, new)
-                busy = step_once(scheduler)
+                busy = step_once(self)
         finally:
-            broadcast_bytes(self.group, StepPlan(stop=True).encode())
+            broadcast_bytes(self.group, StepInputs(stop=True).encode())
 
 
 class FollowerEngine(Engine):
@@ -132,7 +128,7 @@ class FollowerEngine(Engine):
     def _loop(self) -> None:
         scheduler = self._scheduler
         while True:
-            plan = StepPlan.decode(broadcast_bytes(self.group, None))
+            plan = StepInputs.decode(broadcast_bytes(self.group, None))
             if plan.stop:
                 scheduler.abort_all("cancelled", "rank 0 stopped")
                 return
@@ -144,14 +140,14 @@ class FollowerEngine(Engine):
                 handle = self._handles.get(rid)
                 if handle is not None:
                     handle._cancelled.set()
-            step_once(scheduler)
+            step_once(self)
             self._handles = {rid: h for rid, h in self._handles.items() if not h.finished}
 
 
-def step_once(scheduler: Any) -> bool:
+def step_once(engine: Engine) -> bool:
     try:
-        return bool(scheduler.step())
+        return engine.step()
     except Exception as exc:  # as Engine._loop: fail the requests in flight, keep serving
         log.exception("engine step failed")
-        scheduler.abort_all("error", f"engine failure: {type(exc).__name__}: {exc}")
+        engine._scheduler.abort_all("error", f"engine failure: {type(exc).__name__}: {exc}")
         return False
