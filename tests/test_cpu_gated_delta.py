@@ -12,6 +12,7 @@ from gated_delta_inputs import inputs
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from rewind.kernels import cpu_gated_delta, gated_delta, native
+from rewind.kernels.rebind import computes_as, routes
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.skipif(
     native.load_kernels() is None, reason="needs x86-64 AVX2 and a C compiler")]
@@ -63,13 +64,12 @@ def test_a_qwen3_5_model_gives_the_same_logits_with_the_kernel(tiny_loaded,
     from mlx_lm.models import gated_delta as mlx_gated_delta
     from mlx_lm.models import qwen3_5
 
-    # mlx-lm itself is untouched; this model's linear-attention modules call the kernel.
-    assert qwen3_5.gated_delta_update is mlx_gated_delta.gated_delta_update
-    swapped = [m for m in model.modules()
-               if getattr(type(m), "_rewind_computes_as", None) is qwen3_5.GatedDeltaNet]
+    # mlx-lm's name still leads to mlx-lm's function (rewind.kernels.rebind dispatches per
+    # call); this model's linear-attention modules are routed to the kernel.
+    assert qwen3_5.gated_delta_update.__wrapped__ is mlx_gated_delta.gated_delta_update
+    swapped = [m for m in model.modules() if computes_as(type(m)) is qwen3_5.GatedDeltaNet]
     assert swapped and all(
-        type(m).__call__.__globals__["gated_delta_update"] is gated_delta.gated_delta_update
-        for m in swapped)
+        routes(m)["gated_delta_update"] is gated_delta.gated_delta_update for m in swapped)
     prompt = np.random.default_rng(3).integers(3, 400, 300).tolist()
 
     def logits_trace() -> np.ndarray:

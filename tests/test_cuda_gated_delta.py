@@ -12,6 +12,7 @@ from gated_delta_inputs import inputs
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from rewind.kernels import cuda_gated_delta, gated_delta
+from rewind.kernels.rebind import computes_as, routes
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available() or mx.default_device() != mx.gpu,
                                 reason="needs MLX's CUDA backend")
@@ -49,7 +50,9 @@ def test_a_qwen3_5_model_gives_the_same_logits_with_the_kernel(tiny_model_path, 
     folder = build_tiny_model("qwen3_5", tiny_model_path("qwen3_5").parent / "qwen3_5-k32",
                               overrides={"linear_key_head_dim": 32, "linear_value_head_dim": 32})
     model = load_model(str(folder)).model
-    assert qwen3_5.gated_delta_update is gated_delta.gated_delta_update
+    # This model's linear-attention modules are routed to the kernel (rewind.kernels.rebind).
+    assert any(routes(m).get("gated_delta_update") is gated_delta.gated_delta_update
+               and computes_as(type(m)) is qwen3_5.GatedDeltaNet for m in model.modules())
     prompt = np.random.default_rng(3).integers(3, 400, 300).tolist()
 
     def logits_trace() -> np.ndarray:

@@ -24,11 +24,50 @@ def test_a_model_is_freed_once_its_engine_and_loader_are_gone(tiny_model_path) -
     assert model() is None and layers() is None
 
 
-def test_mlx_lm_is_untouched_by_a_loaded_model(tiny_model_path) -> None:
-    from mlx_lm.models import base, gated_delta, llama, qwen3_5
+def test_a_plain_mlx_lm_model_beside_a_loaded_one_runs_mlx_lms_functions(tiny_model_path) -> None:
+    """Rewind routes its own model's attention and gated delta rule to its kernels
+    (rewind.kernels.rebind); an mlx-lm model in the same process still calls mlx-lm's functions
+    and never Rewind's, and mlx-lm's classes are as shipped."""
+    import sys
 
-    load_model(str(tiny_model_path("qwen3_5")))  # MLX layers with Rewind's kernels inside
-    assert qwen3_5.gated_delta_update is gated_delta.gated_delta_update
-    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
-    assert qwen3_5.GatedDeltaNet.__call__.__globals__["gated_delta_update"] is (
-        gated_delta.gated_delta_update)
+    import mlx.core as mx
+    from mlx_lm.models import base, gated_delta, qwen3_5, qwen3_next
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model as load_mlx_model
+
+    from rewind.kernels import cpu_attention
+    from rewind.kernels import gated_delta as rewind_gated_delta
+
+    path = tiny_model_path("qwen3_5")
+    ours = load_model(str(path)).model  # MLX layers with Rewind's kernels inside
+    plain, _ = load_mlx_model(path)
+    # The names in mlx-lm's module lead to mlx-lm's own functions; its classes' code and globals
+    # are its own.
+    assert qwen3_5.gated_delta_update.__wrapped__ is gated_delta.gated_delta_update
+    assert qwen3_next.scaled_dot_product_attention.__wrapped__ is (
+        base.scaled_dot_product_attention)
+    assert qwen3_5.GatedDeltaNet.__call__.__globals__ is vars(qwen3_5)
+    assert all(type(m).__module__.startswith(("mlx.", "mlx_lm.")) for m in plain.modules())
+
+    kernels = {rewind_gated_delta.gated_delta_update.__code__,
+               cpu_attention._mlx_layers_attention.__code__}
+    mlx_lms = {gated_delta.gated_delta_update.__code__, base.scaled_dot_product_attention.__code__}
+
+    def called(model) -> set:
+        seen = set()
+
+        def profile(frame, event, arg):
+            if event == "call":
+                seen.add(frame.f_code)
+
+        tokens = mx.array([[5, 6, 7, 8, 9]])
+        sys.setprofile(profile)
+        try:
+            mx.eval(model(tokens, cache=make_prompt_cache(model)))
+        finally:
+            sys.setprofile(None)
+        return seen
+
+    ours_called, plain_called = called(ours), called(plain)
+    assert kernels <= ours_called
+    assert mlx_lms <= plain_called and not kernels & plain_called

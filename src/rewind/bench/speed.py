@@ -159,7 +159,7 @@ def _float_dtypes(model: Any) -> set[Any]:
 def measure_mlx_lm(path: Path, tokens: list[int], gen_tokens: int, float32: bool,
                    context: list[int] | None = None) -> dict[str, Any]:
     # mlx-lm as shipped: Rewind's kernels reach only the models Rewind's loader set up
-    # (rewind.kernels.rebind swaps classes per instance), never mlx-lm's modules.
+    # (rewind.kernels.rebind routes per module instance); any other model calls mlx-lm's.
     return _measure_mlx_lm(path, tokens, gen_tokens, float32, context)
 
 

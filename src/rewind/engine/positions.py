@@ -4,8 +4,9 @@ Qwen-VL-style language models rotate image tokens by 3-D (temporal, height, widt
 shift the text after an image (multimodal rotary positions, "mrope"). mlx-lm's attention layers
 ask their rope for `offset=cache.offset` only, so positions cannot travel as a model argument
 through mlx-lm's classes. rewind.vision.mrope replaces those rope modules with ones that read
-the positions of the current model call from a `RopePositions` held by the model; the scheduler
-sets them around each call with `given_positions`. On every other model nothing is installed
+the positions of the current model call from the model's `RopePositions`, kept in a table of
+ours keyed by the model (never an attribute on mlx-lm's object); the scheduler sets them around
+each call with `given_positions`. On every other model nothing is installed
 and `given_positions` does nothing.
 
 Engine thread only (the one thread that calls the model). The positions are read while the
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_ATTRIBUTE = "_rewind_rope_positions"
+from rewind.kernels.object_table import ObjectTable
 
 
 class RopePositions:
@@ -37,17 +38,20 @@ class RopePositions:
         self.memo.clear()
 
 
+# model -> its holder; the entry goes with the model (an unloaded model of the pool).
+_HOLDERS: ObjectTable[RopePositions] = ObjectTable()
+
+
 def positions_holder(model: Any) -> RopePositions | None:
     """The model's holder when explicit positions were installed (rewind.vision.mrope)."""
-    return model.__dict__.get(_ATTRIBUTE)
+    return _HOLDERS.get(model)
 
 
 def install_positions_holder(model: Any) -> RopePositions:
     holder = positions_holder(model)
     if holder is None:
         holder = RopePositions()
-        # Outside the parameter tree: nn.Module stores public attributes as children.
-        object.__setattr__(model, _ATTRIBUTE, holder)
+        _HOLDERS.set(model, holder)
     return holder
 
 

@@ -5,9 +5,12 @@ that its language model adds to the hidden states after each of its first layers
 positions (mlx-vlm's `Qwen3VLModel`: `h = layer(h, ...)`, then `h[image positions] +=
 deepstack[layer]`). mlx-lm's backbones call their layers with (x, mask, cache) only, so such
 inputs cannot travel as arguments. `install_layer_residuals(model, layers)` swaps the class of
-each given layer for a subclass whose call adds the residual the engine gives for that layer in
-the current call (the parameter tree and every name stay as they are); the scheduler sets them
-around each prefill chunk with `given_residuals`. A residual is [B, L, hidden] for the call's
+each given layer for a subclass whose call (Rewind's code, around mlx-lm's own call) adds the
+residual the engine gives for that layer in the current call (the parameter tree and every name
+stay as they are); the scheduler sets them around each prefill chunk with `given_residuals`.
+Which holder and layer index a layer reads, and each model's holder, live in tables of ours
+keyed by the layer and the model (rewind.kernels.object_table), never as attributes on mlx-lm's
+objects. A residual is [B, L, hidden] for the call's
 positions (zeros where nothing is added, so those positions are exactly the layer's output).
 
 The CPU kernels (rewind.kernels.native_forward) never call the layers, so a model must run
@@ -23,8 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-_ATTRIBUTE = "_rewind_layer_residuals"
-_LAYER_ATTRIBUTE = "_rewind_residual_slot"  # (holder, layer index) on each wrapped layer
+from rewind.kernels.object_table import ObjectTable
 
 
 class LayerResiduals:
@@ -35,6 +37,8 @@ class LayerResiduals:
         self.layers: frozenset[int] = frozenset()  # the indices that were wrapped
 
 
+_HOLDERS: ObjectTable[LayerResiduals] = ObjectTable()  # model -> its holder
+_SLOTS: ObjectTable[tuple[LayerResiduals, int]] = ObjectTable()  # layer -> (holder, index)
 _classes: dict[type, type] = {}
 
 
@@ -43,7 +47,9 @@ def _residual_class(cls: type) -> type:
     if cls not in _classes:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = cls.__call__(self, *args, **kwargs)
-            holder, index = self.__dict__[_LAYER_ATTRIBUTE]
+            slot = _SLOTS.get(self)  # set with the class, so never None here
+            assert slot is not None
+            holder, index = slot
             residual = None if holder.current is None else holder.current.get(index)
             return out if residual is None else out + residual.astype(out.dtype)
 
@@ -52,7 +58,7 @@ def _residual_class(cls: type) -> type:
 
 
 def residuals_holder(model: Any) -> LayerResiduals | None:
-    return model.__dict__.get(_ATTRIBUTE)
+    return _HOLDERS.get(model)
 
 
 def takes_residuals(model: Any) -> bool:
@@ -70,12 +76,11 @@ def install_layer_residuals(model: Any, layers: Sequence[Any]) -> LayerResiduals
     holder = residuals_holder(model)
     if holder is None:
         holder = LayerResiduals()
-        # Outside the parameter tree: nn.Module stores public attributes as children.
-        object.__setattr__(model, _ATTRIBUTE, holder)
+        _HOLDERS.set(model, holder)
     for index, layer in enumerate(layers):
-        if _LAYER_ATTRIBUTE not in layer.__dict__:
+        if _SLOTS.get(layer) is None:
             layer.__class__ = _residual_class(type(layer))
-            object.__setattr__(layer, _LAYER_ATTRIBUTE, (holder, index))
+            _SLOTS.set(layer, (holder, index))
     holder.layers = holder.layers | frozenset(range(len(layers)))
     return holder
 

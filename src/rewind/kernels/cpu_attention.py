@@ -226,8 +226,8 @@ def use_in_mlx_layers(model: Any) -> int:
     native forward pass does not implement: hybrid linear-attention models, Qwen-VL with
     multimodal positions). mlx-lm's attention modules call their module's
     `scaled_dot_product_attention`; this model's modules call ours instead
-    (rewind.kernels.rebind: mlx-lm itself is untouched), which defers to mlx-lm's for anything
-    the kernel does not take. Returns how many modules were changed."""
+    (rewind.kernels.rebind: any other model still calls mlx-lm's), which defers to mlx-lm's for
+    anything the kernel does not take. Returns how many modules were changed."""
     from mlx_lm.models import base
 
     from rewind.kernels.rebind import swap_function

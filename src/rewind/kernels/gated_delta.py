@@ -80,7 +80,8 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
 
 def use_in_model(model: Any) -> int:
     """This model's modules that call mlx-lm's gated_delta_update call this one instead
-    (rewind.kernels.rebind: mlx-lm itself is untouched); returns how many modules changed."""
+    (rewind.kernels.rebind: any other model still calls mlx-lm's); returns how many modules
+    changed."""
     from mlx_lm.models import gated_delta as mlx_gated_delta
 
     from rewind.kernels.rebind import swap_function

@@ -48,6 +48,7 @@ from rewind.kernels.cpu_attention import attention_into, decode_attention_into
 from rewind.kernels.host_view import host_view
 from rewind.kernels.model_split import forget_split, split_model
 from rewind.kernels.object_table import ObjectTable
+from rewind.kernels.rebind import computes_as
 from rewind.kernels.stored import StoredMatrix, StoredWeights, kernel_form
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class _Family:
 
 def _family(backbone: Any) -> _Family:
     """Exact classes only: a subclass (another model's) may compute differently; one of Rewind's
-    own that computes the same says so in `_rewind_computes_as`."""
+    own that computes the same is registered as standing in for it (rewind.kernels.rebind)."""
     from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
     families = {gemma3_text.Gemma3Model: _Family(True, gemma3_text),
@@ -84,7 +85,7 @@ def _family(backbone: Any) -> _Family:
     for block in backbone.layers:
         for part, expected in ((block.self_attn, family.module.Attention),
                                (block.mlp, family.module.MLP)):
-            if getattr(type(part), "_rewind_computes_as", type(part)) is not expected:
+            if computes_as(type(part)) is not expected:
                 raise Unsupported(f"{type(part).__name__} is not {family.module.__name__}'s "
                                   f"{expected.__name__}")
     return family
@@ -606,7 +607,8 @@ def choose_form(backbone: Any, form: str) -> str:
     return "bf16" if _is_bf16_exact(weights) else "f32"
 
 
-_NATIVE_CLASSES: dict[type, type] = {}
+_NATIVE_CLASSES: dict[type, type] = {}  # mlx-lm backbone class -> its native subclass
+_MLX_CLASSES: dict[type, type] = {}  # and back, to give a backbone its class again
 # backbone -> its NativeForward: the backend's table, not an attribute on mlx-lm's object.
 _FORWARDS: ObjectTable[NativeForward] = ObjectTable()
 
@@ -623,8 +625,9 @@ def _native_class(cls: type) -> type:
                 return cls.__call__(self, inputs, cache, input_embeddings)
             return forward(inputs, cache, input_embeddings)
 
-        _NATIVE_CLASSES[cls] = type(f"Native{cls.__name__}", (cls,),
-                                    {"__call__": __call__, "_rewind_mlx_class": cls})
+        native = type(f"Native{cls.__name__}", (cls,), {"__call__": __call__})
+        _NATIVE_CLASSES[cls] = native
+        _MLX_CLASSES[native] = cls
     return _NATIVE_CLASSES[cls]
 
 
@@ -712,6 +715,6 @@ def remove_native_forward(model: Any) -> bool:
     forward = None if backbone is None else _FORWARDS.pop(backbone)
     if forward is None:
         return False
-    backbone.__class__ = type(backbone)._rewind_mlx_class
+    backbone.__class__ = _MLX_CLASSES[type(backbone)]
     _swap_back(model, forward.swapped)
     return True

@@ -71,11 +71,14 @@ def _fast_gelu_mlp_call(self: Any, x: mx.array) -> mx.array:
 def _make_mlp_class() -> type:
     from mlx_lm.models import gemma3_text
 
-    # `_rewind_computes_as`: the function is gemma3_text.MLP's (to float32 rounding), which the
-    # C kernels (rewind.kernels.native_forward) implement themselves.
-    return type("_FastGeluMLP", (gemma3_text.MLP,), {"__call__": _fast_gelu_mlp_call,
-                                                     "__module__": __name__,
-                                                     "_rewind_computes_as": gemma3_text.MLP})
+    from rewind.kernels.rebind import register_stand_in
+
+    mlp = type("_FastGeluMLP", (gemma3_text.MLP,), {"__call__": _fast_gelu_mlp_call,
+                                                    "__module__": __name__})
+    # The function is gemma3_text.MLP's (to float32 rounding), which the C kernels
+    # (rewind.kernels.native_forward) implement themselves: they may take this MLP.
+    register_stand_in(mlp, gemma3_text.MLP)
+    return mlp
 
 
 _FastGeluMLP = _make_mlp_class()
