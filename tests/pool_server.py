@@ -22,7 +22,7 @@ def pool_server(models: list[str], scratch: Path, *, budget: int = 1 << 40, para
     from rewind.config import CacheConfig, EngineConfig, ServerConfig
     from rewind.models.catalog import Catalog
     from rewind.server.app import create_pool_app
-    from rewind.server.model_pool import build_pool
+    from rewind.server.pool_setup import build_pool
 
     cache = CacheConfig(cache_dir=scratch, disk_bytes=64 << 20)
     config = ServerConfig(model=models[0], engine=EngineConfig(parallel=parallel,

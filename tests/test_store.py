@@ -15,8 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from rewind.cache.free_list import FreeList
 from rewind.cache.serialize import Record, layout
-from rewind.cache.store import FreeList, ScratchStore
+from rewind.cache.store import ScratchStore
 from rewind.cache.writer import Writer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -2,11 +2,11 @@
 
 Why: mlx-lm's KVCache (and BatchKVCache) grows its buffer 256 positions at a time, each growth a
 copy of the whole buffer, so at 8k of context one append in 256 copies 8k rows: the amortized
-cost of a token grows with the context (`rewind bench kv-append`: 2.0 ms a step at 512, 13.1 ms
-at 8,192). Here a buffer's capacity is the rung of a geometric ladder (rewind.cache.capacity:
-256, 512, 768, 1024, 1536, 2048, 3072, ...) that holds its rows, never past the request's bound
-where one is given, so a token costs the same at 8k as at 512, and the memory budget counts
-exactly the capacity a cache of n tokens has.
+cost of a token grows with the context (benchmarks/probes/kv_append.py: 2.0 ms a step at 512,
+13.1 ms at 8,192). Here a buffer's capacity is the rung of a geometric ladder
+(rewind.cache.capacity: 256, 512, 768, 1024, 1536, 2048, 3072, ...) that holds its rows, never
+past the request's bound where one is given, so a token costs the same at 8k as at 512, and the
+memory budget counts exactly the capacity a cache of n tokens has.
 
 What stays as mlx-lm has it, because other code relies on it:
 - The capacity is a multiple of STEP (256) and the live K/V is the slice [..., :offset, :] of one

@@ -1,11 +1,11 @@
 """The disk tier: one anonymous scratch file holding safetensors records.
 
-The file is opened with O_TMPFILE (or created and unlinked at once where that is missing), so it
-has no name: nothing remains after close, exit or kill -9. An in-memory index maps each key to
-(offset, length, checksum). Freed ranges go to a coalescing free list that later writes reuse
-(best fit); when free space reaches the end of the file, the file is truncated. A chain-aware
-LRU keeps the bytes of stored and queued records under the budget, and the file itself never
-grows past the budget either (fragmentation is paid for by evicting more).
+The file has no name (scratch_file.py): nothing remains after close, exit or kill -9. An
+in-memory index maps each key to (offset, length, checksum). Freed ranges go to a coalescing
+free list (free_list.py) that later writes reuse (best fit); when free space reaches the end of
+the file, the file is truncated. A chain-aware LRU keeps the bytes of stored and queued records
+under the budget, and the file itself never grows past the budget either (fragmentation is
+paid for by evicting more).
 
 put() only budgets the record and queues it: the writer thread serializes the (already
 evaluated) arrays and pwrites them, outside the lock, into a range that no reader can see yet.
@@ -15,18 +15,17 @@ cache only makes answers faster, so a failing disk must only make them slower.
 
 With persist=True (rewind serve --cache-persist) the file is named instead and reopened by the
 next process, with an index snapshotted every N records or T seconds and at close; each record
-is framed with its key and checked when it is read (file format and lock: persist.py). A store
-whose writer has been idle T seconds with records not yet in the index writes it then, so a
-process killed later (kill -9, a crash) loses nothing it wrote.
+is framed with its key and checked when it is read (file format and lock: persist.py; when
+and what to snapshot, and which entries to trust at open: store_index.py). A store whose
+writer has been idle T seconds with records not yet in the index writes it then, so a process
+killed later (kill -9, a crash) loses nothing it wrote.
 """
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -38,7 +37,9 @@ import xxhash
 
 from rewind.cache import persist as fmt
 from rewind.cache.file_io import FileIO
+from rewind.cache.free_list import FreeList
 from rewind.cache.lru import ChainLRU
+from rewind.cache.scratch_file import open_anonymous_file, read_exact, write_all
 from rewind.cache.serialize import (
     EncodedLayout,
     Record,
@@ -48,6 +49,7 @@ from rewind.cache.serialize import (
     layout,
     wire_arrays,
 )
+from rewind.cache.store_index import StoreIndex, trusted_entries
 from rewind.cache.writer import Writer
 
 Key = Hashable
@@ -59,76 +61,6 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FULL_RETRY_SECONDS = 60.0
 # A failing disk fails every record: one log line per kind of fault this often, the rest counted.
 _FAULT_LOG_SECONDS = 600.0
-
-
-class FreeList:
-    """Free byte ranges of a file, kept coalesced, plus the file's logical end."""
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []  # sorted starts of free ranges
-        self._lengths: dict[int, int] = {}  # start -> length
-        self.end = 0  # bytes the file spans: every range lies below it
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(self._lengths.values())
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return [(start, self._lengths[start]) for start in self._starts]
-
-    def take_hole(self, length: int) -> int | None:
-        """Best fit among the free ranges (the smallest that holds `length`); None if none."""
-        best: int | None = None
-        for start in self._starts:
-            size = self._lengths[start]
-            if size >= length and (best is None or size < self._lengths[best]):
-                best = start
-                if size == length:
-                    break
-        if best is None:
-            return None
-        size = self._lengths.pop(best)
-        index = bisect.bisect_left(self._starts, best)
-        del self._starts[index]
-        if size > length:
-            self._insert(best + length, size - length)
-        return best
-
-    def append(self, length: int) -> int:
-        """A range at the end of the file."""
-        offset = self.end
-        self.end += length
-        return offset
-
-    def release(self, offset: int, length: int) -> bool:
-        """Return a range, merging it with free neighbours. True if the file end moved down."""
-        if length <= 0:
-            return False
-        index = bisect.bisect_left(self._starts, offset)
-        if index > 0:
-            before = self._starts[index - 1]
-            if before + self._lengths[before] > offset:
-                raise ValueError(f"range {offset}+{length} overlaps free range at {before}")
-            if before + self._lengths[before] == offset:
-                offset, length = before, self._lengths.pop(before) + length
-                del self._starts[index - 1]
-                index -= 1
-        if index < len(self._starts):
-            after = self._starts[index]
-            if offset + length > after:
-                raise ValueError(f"range {offset}+{length} overlaps free range at {after}")
-            if offset + length == after:
-                length += self._lengths.pop(after)
-                del self._starts[index]
-        if offset + length >= self.end:
-            self.end = offset  # free space reached the end: the file can shrink
-            return True
-        self._insert(offset, length)
-        return False
-
-    def _insert(self, offset: int, length: int) -> None:
-        bisect.insort(self._starts, offset)
-        self._lengths[offset] = length
 
 
 @dataclass(frozen=True)
@@ -152,26 +84,6 @@ class _Pending:
         return len(self.frame) + self.layout.size
 
 
-def open_anonymous_file(folder: Path, use_o_tmpfile: bool = True) -> int:
-    """A read-write fd on a file in `folder` that has no name (raises OSError)."""
-    flag = getattr(os, "O_TMPFILE", None)
-    if use_o_tmpfile and flag is not None:
-        try:
-            return os.open(folder, flag | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as error:
-            # Filesystems without O_TMPFILE say EOPNOTSUPP/EISDIR/EINVAL; fall back. Anything
-            # else (EACCES, ENOENT, ...) would fail the fallback the same way.
-            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-    fd, name = tempfile.mkstemp(prefix="rewind-scratch-", dir=folder)
-    try:
-        os.unlink(name)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
 class ScratchStore:
     """key -> Record in one scratch file under `budget_bytes`, written in the background."""
 
@@ -192,14 +104,9 @@ class ScratchStore:
         # Persistence (see persist.py): a named data file and index in `folder`, reopened by
         # the next process; off, or when another process owns the folder: an anonymous file.
         self.persistent = False
-        self.snapshot_records = max(1, snapshot_records)
-        self.snapshot_seconds = snapshot_seconds
-        self._folder_lock: fmt.FolderLock | None = None
+        self._index: StoreIndex | None = None  # set while this process owns the folder
         self._notes: dict[Key, bytes] = {}
-        self._models: dict[str, float] = {}  # fingerprints that used this store -> last seen
         self._changes = 0  # index changes since the last snapshot
-        self._last_snapshot = time.monotonic()
-        self._snapshot_lock = threading.Lock()  # one snapshot at a time
         self._io = io or FileIO()
         self._fault_logged: dict[str, float] = {}  # kind -> when it was last logged
         self.budget_bytes = budget_bytes
@@ -244,7 +151,7 @@ class ScratchStore:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             if persist:
-                self._open_persistent()
+                self._open_persistent(snapshot_records, snapshot_seconds)
             if not self.persistent:
                 self._fd = open_anonymous_file(self.folder, use_o_tmpfile)
         except OSError as error:
@@ -254,7 +161,7 @@ class ScratchStore:
             return
         self._writer = Writer(self._write_job, queue_size, name="rewind-disk-writer",
                               on_idle=self._snapshot_if_changed if self.persistent else None,
-                              idle_seconds=self.snapshot_seconds)
+                              idle_seconds=snapshot_seconds)
         self.enabled = True
 
     # ---- the API -----------------------------------------------------------------------
@@ -328,7 +235,7 @@ class ScratchStore:
                 return None
             self._lru.touch(key)
             try:
-                blob = self._pread_exact(slot.offset, slot.length)
+                blob = read_exact(self._io, self._fd, slot.offset, slot.length)
             except OSError as error:
                 self._counts["misses"] += 1
                 self._fault("read_errors", f"read {slot.length} bytes at {slot.offset}: {error}")
@@ -437,25 +344,17 @@ class ScratchStore:
     def snapshot(self) -> bool:
         """Write the index (atomically replacing the last one); False if not persistent or the
         write failed (counted; the previous index stays and is still safe to open)."""
-        if not self.persistent:
+        index = self._index
+        if not self.persistent or index is None:
             return False
-        with self._snapshot_lock:
+        with index.writing:
             with self._lock:
                 if self._fd < 0:
                     return False
-                entries = []
-                for key in self._lru.keys_by_recency():
-                    slot = self._slots.get(key)
-                    if slot is not None:
-                        entries.append(fmt.Entry(key, self._lru.parent(key), slot.offset,
-                                                 slot.length, slot.checksum,
-                                                 self._notes.get(key, b"")))
-                meta = {"file_end": self._free.end, "models": dict(self._models),
-                        "written": time.time()}
+                taken = index.take(self._lru, self._slots, self._notes, self._free.end)
                 self._changes = 0
-                self._last_snapshot = time.monotonic()
             try:
-                fmt.write_index(self.folder, fmt.Index(entries, meta))
+                index.write(taken)
             except OSError as error:
                 with self._lock:
                     self._fault("snapshot_errors", f"cannot write the index in {self.folder}: "
@@ -483,36 +382,37 @@ class ScratchStore:
     def note_model(self, fingerprint: str) -> None:
         """Remember that a model with this fingerprint uses the store (`rewind cache stats`)."""
         with self._lock:
-            self._models[fingerprint] = time.time()
+            if self._index is not None:
+                self._index.models[fingerprint] = time.time()
 
-    def _open_persistent(self) -> None:
+    def _open_persistent(self, snapshot_records: int, snapshot_seconds: float) -> None:
         """Own the folder and reopen its data file and index; leaves self.persistent False
         (the caller opens an anonymous file) when another process owns the folder."""
-        lock = fmt.FolderLock(self.folder)
-        if not lock.acquire():
+        index = StoreIndex(self.folder, snapshot_records, snapshot_seconds)
+        if not index.own_folder():
             log.warning("prompt cache folder %s is owned by another Rewind process (%s is "
                         "locked): this server uses a private scratch file instead, which is not "
-                        "kept after it stops", self.folder, lock.path)
+                        "kept after it stops", self.folder, index.lock_path)
             return
-        self._folder_lock = lock
+        self._index = index
         started = time.perf_counter()
         try:
-            index = fmt.read_index(self.folder)
+            last = fmt.read_index(self.folder)
         except fmt.IndexFormatError as error:
             moved = fmt.set_aside(self.folder)
             self._counts["set_aside"] += 1
             log.warning("prompt cache in %s not trusted (%s): set aside as %s; starting empty",
                         self.folder, error, ", ".join(p.name for p in moved) or "nothing")
-            index = None
-        self._fd = os.open(self.folder / fmt.DATA_NAME,
-                           os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+            last = None
+        self._fd = index.open_data_file()
         self.persistent = True
-        if index is None:
+        if last is None:
             # No index (a new folder, or killed before the first snapshot): nothing in the data
             # file can be trusted, so it starts over.
             self._io.ftruncate(self._fd, 0)
             return
-        self._load_index(index)
+        index.remember_models(last.meta)
+        self._load_index(last)
         log.info("prompt cache: reopened %d records (%d bytes) from %s in %.3f s",
                  self._counts["loaded_records"], self._counts["loaded_bytes"], self.folder,
                  time.perf_counter() - started)
@@ -521,21 +421,9 @@ class ScratchStore:
         """Slots, free list and LRU order from the index. Records are not read here: each is
         checked when it is used."""
         size = os.fstat(self._fd).st_size
-        models = index.meta.get("models")
-        if isinstance(models, dict):
-            self._models.update({str(k): float(v) for k, v in models.items()
-                                 if isinstance(v, (int, float))})
-        # Keep entries that lie inside the file and overlap no other (a damaged index must not
-        # hand one range to two keys).
-        usable: list[fmt.Entry] = []
-        taken_end = 0
-        for entry in sorted(index.entries, key=lambda e: e.offset):
-            if entry.length <= 0 or entry.offset < taken_end or entry.offset + entry.length > size:
-                continue
-            usable.append(entry)
-            taken_end = entry.offset + entry.length
+        usable = trusted_entries(index.entries, size)
         with self._lock:
-            self._free.end = taken_end
+            self._free.end = usable[-1].offset + usable[-1].length if usable else 0
             position = 0
             for entry in usable:
                 if entry.offset > position:
@@ -562,9 +450,8 @@ class ScratchStore:
                 pass
 
     def _close_persistent_files(self) -> None:
-        if self._folder_lock is not None:
-            self._folder_lock.release()
-            self._folder_lock = None
+        if self._index is not None:
+            self._index.release_folder()
 
     def drop_page_cache(self) -> bool:
         """Sync the file and ask the kernel to drop its cached pages, so the next reads come
@@ -626,7 +513,7 @@ class ScratchStore:
                 self._drop_subtree(key)
                 return
         try:
-            self._pwrite_all(buffers, offset)
+            write_all(self._io, self._fd, buffers, offset)
         except OSError as error:
             with self._lock:
                 self._release(offset, size)
@@ -655,9 +542,7 @@ class ScratchStore:
                 self._counts["records_written"] += 1
             else:  # evicted while its bytes were going out
                 self._release(offset, size)
-        if self.persistent and (
-                self._changes >= self.snapshot_records
-                or time.monotonic() - self._last_snapshot >= self.snapshot_seconds):
+        if self.persistent and self._index is not None and self._index.due(self._changes):
             self.snapshot()
 
     # ---- internals (called with the lock held) -----------------------------------------
@@ -728,30 +613,3 @@ class ScratchStore:
                 self._io.ftruncate(self._fd, self._free.end)
             except OSError as error:  # the space stays allocated; the index is still right
                 self.last_error = f"truncate to {self._free.end}: {error}"
-
-    def _pread_exact(self, offset: int, length: int) -> bytes:
-        # One pread gives the whole range from a regular file (no zero-filled buffer to copy
-        # into); a short read means the file is shorter than the index says.
-        blob = self._io.pread(self._fd, length, offset)
-        if len(blob) == length:
-            return blob
-        parts = [blob]
-        done = len(blob)
-        while done < length:
-            part = self._io.pread(self._fd, length - done, offset + done)
-            if not part:
-                raise OSError(errno.EIO, f"short read: {done} of {length} bytes")
-            parts.append(part)
-            done += len(part)
-        return b"".join(parts)
-
-    def _pwrite_all(self, buffers: list[memoryview], offset: int) -> None:
-        position = offset
-        for buffer in buffers:
-            done = 0
-            while done < len(buffer):
-                count = self._io.pwrite(self._fd, buffer[done:], position)
-                if count <= 0:
-                    raise OSError(errno.EIO, f"pwrite wrote {count} bytes")
-                done += count
-                position += count

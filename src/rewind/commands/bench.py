@@ -13,18 +13,13 @@ import importlib
 # name -> (module, one line for `rewind bench --help`)
 WORKLOADS: dict[str, tuple[str, str]] = {
     "speed": ("rewind.bench.speed", "prefill/decode tokens/s: Rewind vs plain mlx-lm"),
-    "kv-append": ("rewind.bench.kv_append", "KV append cost at 512..8k: Rewind's growing cache vs mlx-lm's KVCache"),
-    "attention": ("rewind.bench.attention_bench", "CPU attention: MLX vs Rewind's C kernel"),
-    "gated-delta": ("rewind.bench.gated_delta_bench", "Qwen 3.5's gated delta rule on the CPU: mlx-lm vs Rewind's C kernel"),
     "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),
     "perplexity": ("rewind.bench.perplexity", "perplexity of the default GGUF per CPU weight form, vs llama.cpp's llama-perplexity"),
-    "form-speed": ("rewind.bench.form_speed", "speed per stored form on this backend (random weights, default shape)"),
     "decode-scaling": ("rewind.bench.decode_scaling", "decode tok/s at 1/8/32 streams: engine, HTTP, mlx-lm BatchGenerator, HBM bound (random 1B-class models)"),
     "decode-profile": ("rewind.bench.decode_profile", "where a decode step's host time goes at 1 and 32 streams (timers, cProfile, CUPTI trace; best run as python -m rewind.bench.decode_profile)"),
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
     "disk-tier": ("rewind.bench.disk_tier", "scratch-file store write and restore speed"),
     "agentic": ("rewind.bench.agentic", "S agent sessions x T turns, side by side on each server"),
-    "verify-cost": ("rewind.bench.verify_cost", "what verifying k drafted tokens adds to a CPU decode step, by batch size"),
     "edits": ("rewind.bench.edits", "source files asked back with one change (speculative decoding), alone and S sessions, side by side"),
     "replicas": ("rewind.bench.replicas", "agent sessions through SGLang's router over rewind serve replicas, per routing policy"),
     "multi-round-qa": ("rewind.bench.multi_round_qa", "users x rounds with shared system prompt (LMCache style)"),
@@ -43,7 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing = "\n".join(f"  {name:<20} {summary}" for name, (_, summary) in WORKLOADS.items())
     parser = subparsers.add_parser(
         "bench", help="run a benchmark; results go to benchmarks/results/",
-        description=f"workloads:\n{listing}\n\n`rewind bench WORKLOAD --help` shows a workload's options.",
+        description=f"workloads:\n{listing}\n\n`rewind bench WORKLOAD --help` shows a workload's options.\n"
+                    "Developer probes (kernels, KV append, stored forms' speed, verification cost) are\n"
+                    "scripts in the repository's benchmarks/probes/, run as python benchmarks/probes/X.py.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=sorted(WORKLOADS), metavar="WORKLOAD")
     parser.add_argument("workload_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -166,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         from_file = apply_config(args)
         config = server_config(args)
         if args.print_config:
+            from rewind.server.keep_alive import parse_duration
             from rewind.server.memory_budget import parse_budget
-            from rewind.server.model_pool import parse_duration
 
             parse_budget(args.memory_budget)  # what serve_pool would refuse, refused here too
             parse_duration(args.idle_unload)
@@ -205,8 +205,9 @@ def serve_pool(config: ServerConfig, args: argparse.Namespace) -> int:
     from rewind.models.catalog import Catalog
     from rewind.models.loader import cpu_weight_options
     from rewind.server.app import create_pool_app
+    from rewind.server.keep_alive import parse_duration
     from rewind.server.memory_budget import gib, parse_budget
-    from rewind.server.model_pool import build_pool, parse_duration
+    from rewind.server.pool_setup import build_pool
 
     try:
         budget = parse_budget(args.memory_budget)

@@ -45,7 +45,7 @@ def create_app(loaded: Any, engine: Any, config: ServerConfig | None = None,
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """An app around one loaded model and a started engine (the caller owns their lifetimes;
     `on_shutdown` runs when the server stops, e.g. to close them)."""
-    from rewind.server.model_pool import single_model_pool
+    from rewind.server.pool_setup import single_model_pool
 
     config = config or ServerConfig()
     return create_pool_app(single_model_pool(loaded, engine, config, prompt_cache), config,

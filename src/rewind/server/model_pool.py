@@ -15,119 +15,41 @@ What an unload frees: the engine (its thread, live caches), the model's arrays, 
 cache and glibc's free heap. What it keeps: the model's PromptCache (its partial-point index)
 with the model detached; its records stay in the shared tiers, so a reload hits them.
 
-Memory is measured around every load and unload, because estimates alone let the process cross
-its budget (4.46 GiB RSS under a 3.51 GiB budget in the churn benchmark): a load reserves its
-peak, not just what it keeps (first load: an estimate; then the peak it was measured to reach),
-is charged the larger of its estimate and the RSS it added, and an unload waits until the freed
-memory is back with the OS before the budget counts it free (`_settle`).
+Memory is measured around every load and unload (load_memory.py): a load reserves its peak and
+is charged what it added, and an unload's memory counts as free once it is back with the OS.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import hashlib
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rewind.config import ServerConfig
 from rewind.models.catalog import Catalog, Servable
-from rewind.models.memory_estimate import estimate_need, kv_shape, loaded_bytes
+from rewind.models.memory_estimate import kv_shape, loaded_bytes
 from rewind.server.errors import ApiError
+from rewind.server.keep_alive import parse_duration
+from rewind.server.load_memory import (
+    LoadMeter,
+    load_peak,
+    need_parts,
+    release_freed,
+    settle,
+    tokenizer_bytes,
+)
 from rewind.server.memory_budget import MemoryBudget, gib
 from rewind.server.metrics import ServerMetrics
+from rewind.server.pool_slot import Slot, failed
 from rewind.server.runtime import ModelRuntime
+from rewind.server.shared_tokenizers import SharedTokenizers, tokenizer_key
 
 log = logging.getLogger(__name__)
 
 REAPER_SECONDS = 0.25
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
-# The tokenizer's share of a loaded model beyond its weights (parsed vocabulary, merges):
-# measured ~6x tokenizer.json for Gemma 3's 262k-token one (33 MB file, ~195 MB resident).
-TOKENIZER_FACTOR = 6
-# A first load's peak above its header estimate, before it has been measured: half its weight
-# files plus the tokenizer's parse once more (the JSON text and the half-built vocabulary are
-# freed only after it is done). Measured peaks over the estimate: +0.23 GiB (default, 0.5 GiB
-# bf16 file), +0.27 (1B-shaped llama, 1.8 GiB), +0.53 (the default in float32, 1.0 GiB: the CPU
-# head's bf16 copy, which headers cannot show). Conservative on purpose: from the second load
-# on, the measured peak replaces it.
-LOAD_FILE_FRACTION = 2
-# A measured peak is reserved with this share on top: loads of the same files peak a few MB
-# apart (what the last load left in the heap, page alignment); the churn benchmark without it
-# came within 2.7 MB of its budget.
-LOAD_PEAK_MARGIN = 32  # 1/32: +67 MB on the 1B-shaped llama's 2.1 GB peak
-# An unload's memory is counted free only once RSS stops falling by more than this per try.
-SETTLE_BYTES = 8 << 20
-SETTLE_TRIES = 5
 RECLAIM_SECONDS = 10.0  # how long a load that does not fit waits for freed memory to come back
-
-
-def parse_duration(value: Any) -> float | None:
-    """Ollama's keep_alive: seconds as a number, or '30s', '15m', '2h', '1h30m'; negative means
-    forever (returned as -1); None -> None (the server's default)."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return -1.0 if value < 0 else float(value)
-    text = str(value).strip().lower()
-    if not text:
-        return None
-    try:
-        number = float(text)
-        return -1.0 if number < 0 else number
-    except ValueError:
-        pass
-    total, digits, negative = 0.0, "", text.startswith("-")
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-    rest = text.lstrip("-")
-    index = 0
-    while index < len(rest):
-        char = rest[index]
-        if char.isdigit() or char == ".":
-            digits += char
-            index += 1
-            continue
-        unit = "ms" if rest.startswith("ms", index) else char
-        if unit not in units or not digits:
-            raise ValueError(f"not a duration: {value!r} (try 30s, 15m, 2h, 0 or -1)")
-        total += float(digits) * units[unit]
-        digits = ""
-        index += len(unit)
-    if digits:
-        raise ValueError(f"not a duration: {value!r} (a unit is missing: 30s, 15m, 2h)")
-    return -1.0 if negative else total
-
-
-@dataclass
-class Slot:
-    entry: Servable
-    state: str = "unloaded"  # unloaded | loading | loaded | unloading
-    runtime: ModelRuntime | None = None
-    prompt_cache: Any = None  # kept across unloads
-    engine: Any = None
-    pinned: bool = False  # an engine the caller owns (create_app(loaded, engine)): never unloaded
-    leases: int = 0
-    last_used: float = 0.0
-    keep_alive: float | None = None  # the last request's keep_alive (None: the server's)
-    unload_at: float | None = None
-    loaded_bytes: int = 0  # charged while loaded: max(estimate, measured RSS rise of its load)
-    peak_bytes: int = 0  # the RSS rise its last load reached at its peak (0: never loaded)
-    tokenizer_key: str | None = None
-    loads: int = 0
-    load_seconds: float = 0.0
-    unloads: Counter[str] = field(default_factory=Counter)
-    fallbacks: int = 0
-    restarts: int = 0  # engines restarted after a failure
-    drained: asyncio.Event | None = None
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
 
 
 class Lease:
@@ -170,7 +92,7 @@ class ModelPool:
             backend = current_backend()
         self.backend = backend
         self._slots: dict[Path, Slot] = {}
-        self._tokenizers: dict[str, tuple[Any, int]] = {}  # key -> (tokenizer, users)
+        self._tokenizers = SharedTokenizers()
         self._change: asyncio.Lock | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.started = time.time()
@@ -214,8 +136,8 @@ class ModelPool:
         self._start_reaper()
         slot = self.slot(name)
         note = None
-        while slot.state != "loaded" or _failed(slot):
-            if _failed(slot):
+        while slot.state != "loaded" or failed(slot):
+            if failed(slot):
                 await self._recover(slot)
                 continue
             served, note = await self.ensure_loaded(slot)
@@ -255,7 +177,7 @@ class ModelPool:
         while True:
             await asyncio.sleep(REAPER_SECONDS)
             for slot in list(self._slots.values()):
-                if _failed(slot):
+                if failed(slot):
                     try:
                         await self._recover(slot)
                     except Exception:  # noqa: BLE001 - the next request for it tries again
@@ -269,7 +191,7 @@ class ModelPool:
         may have left behind (the runner's and kernels' state, the model's arrays) is reused; an
         engine the caller owns (pinned) is restarted over the same model (Engine.restart)."""
         async with self._lock():
-            if not _failed(slot):
+            if not failed(slot):
                 return  # restarted meanwhile
             log.warning("restarting the engine of %s with its model after a failure (%s)",
                         slot.name, slot.engine.failure)
@@ -303,29 +225,11 @@ class ModelPool:
         return self._load_peak(entry, weights) + reserve
 
     def _load_peak(self, entry: Servable, weights: int) -> int:
-        slot = self._slots.get(entry.path.resolve())
-        if slot is not None and slot.peak_bytes:
-            return max(slot.peak_bytes + slot.peak_bytes // LOAD_PEAK_MARGIN, weights)
-        if not entry.path.exists():
-            return weights
-        files = entry.path.glob("*.safetensors") if entry.path.is_dir() else [entry.path]
-        file_bytes = sum(file.stat().st_size for file in files)
-        return weights + file_bytes // LOAD_FILE_FRACTION + self._tokenizer_bytes(entry.path)
+        return load_peak(entry, self._slots.get(entry.path.resolve()), weights)
 
     def _need_parts(self, entry: Servable) -> tuple[int, int]:
-        if not entry.path.exists():
-            return 0, 0  # the default, not converted yet: known once converted
-        need = estimate_need(entry.path, self.backend, self.config.engine.parallel,
-                             self.reserve_tokens, entry.context_length)
-        slot = self._slots.get(entry.path.resolve())
-        weights = slot.loaded_bytes if slot is not None and slot.loaded_bytes else (
-            need.weights_bytes + self._tokenizer_bytes(entry.path))
-        return weights, need.reserve_bytes
-
-    @staticmethod
-    def _tokenizer_bytes(path: Path) -> int:
-        file = path / "tokenizer.json" if path.is_dir() else None
-        return TOKENIZER_FACTOR * file.stat().st_size if file is not None and file.exists() else 0
+        return need_parts(entry, self._slots.get(entry.path.resolve()), self.backend,
+                          self.config.engine.parallel, self.reserve_tokens)
 
     async def ensure_loaded(self, slot: Slot) -> tuple[Slot, str | None]:
         """Load `slot` (or a smaller form of it that fits); returns the slot that serves."""
@@ -369,7 +273,7 @@ class ModelPool:
         requests an unload waits for), until `slot` fits the budget and --max-models.
         RSS is sampled first, so memory the accounting does not explain counts against the room."""
         need = self.load_need_of(slot.entry)
-        await asyncio.to_thread(self._settle, 1)
+        await asyncio.to_thread(settle, 1)
         while True:
             others = [s for s in self.loaded() if s is not slot and not s.pinned]
             over_count = self.max_models is not None and len(self.loaded()) >= self.max_models
@@ -392,7 +296,7 @@ class ModelPool:
         deadline = time.monotonic() + RECLAIM_SECONDS
         while need > self.budget.free_for_load() and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-            await asyncio.to_thread(self._settle, 1)
+            await asyncio.to_thread(settle, 1)
             self.budget.observe()
         if need > self.budget.free_for_load():
             log.warning("memory budget: %s needs %s; %s is free (RSS %s)", slot.name, gib(need),
@@ -450,22 +354,20 @@ class ModelPool:
 
     def _load_blocking(self, slot: Slot) -> None:
         from rewind.engine import Engine
-        from rewind.memory import PeakRss, process_rss
         from rewind.models.loader import load_model
         from rewind.models.registry import resolve_model
 
-        before = process_rss()
-        peak = PeakRss()
+        meter = LoadMeter()
         entry = slot.entry
         path = resolve_model(entry.name) if entry.kind == "default" else entry.path
         if path.is_file():  # a GGUF: converted once to bf16 (rewind.models.registry)
             path = resolve_model(str(path))
-        key = _tokenizer_key(path)
-        shared = self._tokenizers.get(key)
-        loaded = load_model(str(path), tokenizer=shared[0] if shared else None,
+        key = tokenizer_key(path)
+        shared = key in self._tokenizers
+        loaded = load_model(str(path), tokenizer=self._tokenizers.get(key),
                             **self.load_options)
         loaded.name = entry.name
-        self._tokenizers[key] = (loaded.tokenizer, (shared[1] if shared else 0) + 1)
+        self._tokenizers.take(key, loaded.tokenizer)
         slot.tokenizer_key = key
         cache = slot.prompt_cache
         if cache is not None and cache.fingerprint != loaded.fingerprint:
@@ -485,14 +387,7 @@ class ModelPool:
         slot.engine = engine
         slot.runtime = ModelRuntime(loaded, engine, self.config, self.metrics, cache,
                                     self.budget, kv)
-        estimate = loaded_bytes(loaded.model) + (0 if shared else self._tokenizer_bytes(path))
-        # What the OS saw: the RSS the load added (its arrays, its tokenizer, the engine's
-        # thread and set-up, kernels' copies outside MLX) and the highest it went meanwhile.
-        # Loads run one at a time; a request on another model running meanwhile can only make
-        # these larger, which errs on the safe side.
-        kept = process_rss() - before
-        slot.loaded_bytes = max(estimate, kept)
-        slot.peak_bytes = max(peak.peak() - before, slot.loaded_bytes)
+        meter.charge(slot, loaded_bytes(loaded.model) + (0 if shared else tokenizer_bytes(path)))
 
     def adopt(self, loaded: Any, engine: Any, prompt_cache: Any = None) -> Slot:
         """Serve a model and engine the caller loaded and owns (never unloaded here)."""
@@ -536,7 +431,7 @@ class ModelPool:
                 await slot.drained.wait()
                 slot.drained.clear()
         await asyncio.to_thread(self._unload_blocking, slot)
-        await asyncio.to_thread(self._settle)
+        await asyncio.to_thread(settle)
         slot.state = "unloaded"
         slot.unloads[reason] += 1
         slot.keep_alive = None
@@ -544,31 +439,7 @@ class ModelPool:
         rss = self.budget.observe()  # what was not handed back counts as baseline
         log.info("unloaded %s (%s); RSS now %s", slot.name, reason, gib(rss))
 
-    def _settle(self, tries: int = SETTLE_TRIES) -> int:
-        """Hand freed memory back (garbage, MLX's buffer cache, glibc's free heap) until RSS stops
-        falling: the budget then sees what an unload really freed, and the next load is admitted
-        against that, not against what the accounting hopes. Returns the RSS."""
-        import mlx.core as mx
-
-        from rewind.memory import process_rss, release_free_heap
-
-        last = process_rss()
-        for _ in range(tries):
-            gc.collect()
-            mx.clear_cache()
-            release_free_heap(collect=False)
-            now = process_rss()
-            if last - now < SETTLE_BYTES:
-                return now
-            last = now
-            time.sleep(0.02)
-        return last
-
     def _unload_blocking(self, slot: Slot) -> None:
-        import mlx.core as mx
-
-        from rewind.memory import release_free_heap
-
         if slot.engine is not None:
             slot.engine.shutdown()
         if slot.prompt_cache is not None:
@@ -576,13 +447,9 @@ class ModelPool:
         slot.engine = None
         slot.runtime = None
         if slot.tokenizer_key is not None:
-            tokenizer, users = self._tokenizers.pop(slot.tokenizer_key, (None, 1))
-            if users > 1:
-                self._tokenizers[slot.tokenizer_key] = (tokenizer, users - 1)
+            self._tokenizers.give_back(slot.tokenizer_key)
             slot.tokenizer_key = None
-        gc.collect()
-        mx.clear_cache()
-        release_free_heap(collect=False)
+        release_freed()
 
     async def shutdown(self) -> None:
         if self._reaper is not None:
@@ -643,70 +510,3 @@ class ModelPool:
             if slot.unload_at is not None:
                 out["unload_in_seconds"] = round(max(0.0, slot.unload_at - time.monotonic()), 1)
         return out
-
-
-def _failed(slot: Slot) -> bool:
-    """Whether the slot's engine stopped after a failure and waits for a restart."""
-    return (slot.state == "loaded" and slot.engine is not None
-            and getattr(slot.engine, "failure", None) is not None)
-
-
-def _tokenizer_key(path: Path) -> str:
-    """Folders whose tokenizer files are the same bytes share one loaded tokenizer."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name in TOKENIZER_FILES:
-        file = path / name
-        if file.is_file():
-            digest.update(name.encode() + b"\0" + file.read_bytes())
-    config = path / "config.json"
-    if config.is_file():  # the EOS ids load_tokenizer reads from it
-        import json
-
-        digest.update(repr(json.loads(config.read_text()).get("eos_token_id")).encode())
-    return digest.hexdigest()
-
-
-
-def single_model_pool(loaded: Any, engine: Any, config: ServerConfig,
-                      prompt_cache: Any = None) -> ModelPool:
-    """A pool of one model the caller loaded and owns (tests, embedders of create_app)."""
-    from rewind.models.catalog import describe
-
-    path = Path(loaded.path)
-    aliases = tuple(dict.fromkeys(a for a in (path.name, str(path)) if a != str(loaded.name)))
-    entry = describe(str(loaded.name), path, "local", aliases)
-    metrics = ServerMetrics(engine.stats, prompt_cache.stats if prompt_cache is not None else None)
-    budget = MemoryBudget(1 << 62)  # the caller sized it; nothing is loaded or unloaded here
-    pool = ModelPool(Catalog.fixed([entry]), config, metrics, budget, backend="cpu")
-    pool.adopt(loaded, engine, prompt_cache)
-    _register_gauges(pool)
-    return pool
-
-
-def _register_gauges(pool: ModelPool) -> None:
-    from rewind.server.pool_metrics import PoolGauges
-
-    pool.metrics.registry.register(PoolGauges(pool))
-
-
-def build_pool(catalog: Catalog, config: ServerConfig, budget_bytes: int, **options: Any
-               ) -> ModelPool:
-    """The pool `rewind serve` runs: one RAM tier and scratch file for every model's prompt
-    cache, the budget's baseline measured now (before any model)."""
-    import psutil
-
-    tiers = None
-    if config.engine.cache.enabled:
-        from rewind.cache.shared_tiers import SharedTiers
-
-        tiers = SharedTiers(config.engine.cache)
-    base = psutil.Process().memory_info().rss
-    budget = MemoryBudget(budget_bytes, tiers, max_waiting=config.engine.max_queue,
-                          base_bytes=base)
-    pool_ref: list[ModelPool] = []
-    metrics = ServerMetrics(lambda: pool_ref[0].engine_stats(),
-                            tiers.stats if tiers is not None else None)
-    pool = ModelPool(catalog, config, metrics, budget, tiers, **options)
-    pool_ref.append(pool)
-    _register_gauges(pool)
-    return pool

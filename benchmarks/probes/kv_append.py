@@ -149,8 +149,7 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    command = "rewind bench kv-append " + " ".join(sys.argv[sys.argv.index("kv-append") + 1:]) \
-        if "kv-append" in sys.argv else "rewind bench kv-append"
+    command = "python benchmarks/probes/kv_append.py " + " ".join(sys.argv[1:])
     rows = measure(list(args.lengths), args.concat_steps)
     for row in rows:
         print(f"N={row['n']:5d}  mlx-lm KVCache {row['mlx_lm_ms']:7.2f} ms/step "
@@ -166,3 +165,14 @@ def run(args: argparse.Namespace) -> int:
     out.with_suffix(".md").write_text(markdown(rows, command.strip(), machine))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/kv_append.py",
+                                     description=__doc__.splitlines()[0])
+    register(parser)
+    return run(parser.parse_args(argv)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

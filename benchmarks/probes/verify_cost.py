@@ -1,4 +1,4 @@
-"""verify-cost: what verifying drafted tokens adds to a decode step, by batch size, in-process.
+"""What verifying drafted tokens adds to a decode step, by batch size, in-process.
 
 A speculative step feeds a drafting row [input, k drafts] and reads logits at every position.
 Where a step is bound by reading the weights (one row on a CPU), the k extra positions cost
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         mx.clear_cache()
     stem = "verify-cost" + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     report = Report(
-        workload="verify-cost", command="rewind bench verify-cost " + " ".join(
+        workload="verify-cost", command="python benchmarks/probes/verify_cost.py " + " ".join(
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
             if k in ("model", "context", "rows", "drafts", "repeats")),
         params={"model": args.model, "context": args.context, "rows": rows_list,
@@ -124,3 +125,14 @@ def run(args: argparse.Namespace) -> int:
     for path in report.write(Path(args.out), stem):
         print(path)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/verify_cost.py",
+                                     description=__doc__.splitlines()[0])
+    register(parser)
+    return run(parser.parse_args(argv)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

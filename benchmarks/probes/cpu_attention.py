@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.timing import median_seconds
+from timing import median_seconds  # beside this script
 
 RESULTS = Path("benchmarks/results")
 DEFAULT_SHAPES = ("512x512", "512x4096", "512x8704", "1x512", "1x8704")
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from rewind.kernels.cpu_attention import attention
 
     if mx.default_device() != mx.cpu:
-        raise SystemExit("rewind bench attention measures the CPU backend")
+        raise SystemExit("benchmarks/probes/cpu_attention.py measures the CPU backend")
     rows = []
     for shape in args.shapes:
         length, total = (int(part) for part in shape.lower().split("x"))
@@ -89,3 +90,14 @@ def run(args: argparse.Namespace) -> int:
     args.json.with_suffix(".md").write_text("\n".join(lines))
     print(f"wrote {args.json} and {args.json.with_suffix('.md')}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/cpu_attention.py",
+                                     description=__doc__.splitlines()[0])
+    register(parser)
+    return run(parser.parse_args(argv)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

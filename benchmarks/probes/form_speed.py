@@ -3,7 +3,7 @@
 Speed does not depend on the weights' values, so this uses random weights of the default model's
 exact shape (tests/data/gemma3_270m_config.json): it runs where the real model is not at hand
 (a GPU machine with MLX but without the GGUF). Quality per form is in `rewind bench model-forms`.
-Runs with mlx and mlx-lm alone (`python -m rewind.bench.form_speed`): no transformers, no gguf.
+Runs with mlx and mlx-lm alone (`python benchmarks/probes/form_speed.py`): no transformers, no gguf.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import types
 from pathlib import Path
 
-CONFIG = Path(__file__).resolve().parents[3] / "tests" / "data" / "gemma3_270m_config.json"
+CONFIG = Path(__file__).resolve().parents[2] / "tests" / "data" / "gemma3_270m_config.json"
 FORMS = ("bf16", "q8", "q4g32", "q4")
 
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows[-1]), flush=True)
         del model
         mx.clear_cache()
-    result = {"command": "python -m rewind.bench.form_speed " + " ".join(sys.argv[1:]), "device": device,
+    result = {"command": "python benchmarks/probes/form_speed.py " + " ".join(sys.argv[1:]), "device": device,
               "machine": platform.platform(), "prefill_tokens": args.prefill_tokens,
               "decode_tokens": args.decode_tokens, "rows": rows}
     if args.out:
@@ -111,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/form_speed.py",
+                                     description=__doc__.splitlines()[0])
     register(parser)
-    sys.exit(run(parser.parse_args()))
+    return run(parser.parse_args(argv)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.timing import median_seconds
+from timing import median_seconds  # beside this script
 
 RESULTS = Path("benchmarks/results")
 # A Qwen 3.5 0.8B-like shape (random weights; only the timings mean anything). Vocabulary cut
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     chosen = gated_delta._recurrence(mx.zeros((1, 1, 1, args.head_dim)))
     if chosen is None:
-        raise SystemExit("rewind bench gated-delta: Rewind has no gated delta kernel for this "
+        raise SystemExit("benchmarks/probes/gated_delta.py: Rewind has no gated delta kernel for this "
                          "backend here (the CPU's needs x86-64 AVX2 and a C compiler; the "
                          "GPU's, CUDA)")
     backend, recurrence = chosen
@@ -162,3 +163,14 @@ def run(args: argparse.Namespace) -> int:
     args.json.with_suffix(".md").write_text("\n".join(lines))
     print(f"wrote {args.json} and {args.json.with_suffix('.md')}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/gated_delta.py",
+                                     description=__doc__.splitlines()[0])
+    register(parser)
+    return run(parser.parse_args(argv)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
