@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.decode_kernels import (  # torch before mlx
+from rewind.bench.cupti_trace import (  # torch before mlx
     PROFILE, busy_us, top_kernels, trace_events)
 
 RESULTS = Path("benchmarks/results/gpu")
