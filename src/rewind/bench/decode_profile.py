@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.decode_kernels import (  # torch before mlx
+from rewind.bench.cupti_trace import (  # torch before mlx
     PROFILE, busy_us, top_kernels, trace_events)
 
 RESULTS = Path("benchmarks/results/gpu")
@@ -62,7 +62,7 @@ PIECES = {
     "read_tokens": "reading tokens to Python (tolist, Sampled)",
     "detokenize": "detokenizing and stop strings (TextStream.add / finish)",
     "emit": "handing events to the consumers (RequestHandle._deliver)",
-    "token_other": "per-token bookkeeping (_emit_token: counters, listeners, max_tokens)",
+    "token_other": "per-token bookkeeping (Emission.on_token: counters, listeners, max_tokens)",
     "cache_bookkeeping": "cache bookkeeping (_decode_checkpoints, _leave_batch)",
     "scheduler_python": "scheduler Python (Scheduler.step minus all of the above)",
 }
@@ -178,7 +178,11 @@ class StepProfiler:
             return self
         self._set(runner, "_one", self.timed(runner._one, "graph_build_model"))
         self._set(runner, "_heads", self.timed(runner._heads, "graph_build_head"))
-        for name in ("_on_token", "_decode_checkpoints", "_leave_batch"):
+        # The piece keeps the name published results use: `_on_token` was the scheduler's
+        # method before token emission moved to rewind.engine.emission.
+        emission = scheduler.emission
+        self._set(emission, "on_token", self.timed(emission.on_token, "_on_token"))
+        for name in ("_decode_checkpoints", "_leave_batch"):
             self._set(scheduler, name, self.timed(getattr(scheduler, name), name))
         module = self.modules["scheduler"]
         self._set(module, "sample_lazy", self.timed(module.sample_lazy, "sample_graph"))

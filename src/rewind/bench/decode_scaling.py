@@ -19,8 +19,8 @@ each row's KV cache (and a linear-attention layer's recurrent state); at 4.8 TB/
 
 Per step of the engine's all-decode window, timers around the scheduler step, the runner's forward
 (graph building vs evaluation) and the sampler say where a step's wall time goes; a separate
-process (rewind.bench.decode_kernels) traces the CUDA kernels for GPU busy time and for which
-attention kernel a decode step takes.
+process (the developer probe benchmarks/probes/decode_kernels.py) traces the CUDA kernels for GPU
+busy time and for which attention kernel a decode step takes.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads":
             "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
             "vocab_size": 128256, "tie_word_embeddings": True, "rope_theta": 500000.0,
             "max_position_embeddings": 131072}
-# Qwen 3.5 0.8B: rewind.bench.gated_delta_bench.MODEL_SIZES["0.8b"] with the real 248,320-word
-# tied vocabulary (that bench cut it to 32k; here the head is a third of the bytes read per step).
+# Qwen 3.5 0.8B: benchmarks/probes/gated_delta.py's MODEL_SIZES["0.8b"] with the real 248,320-word
+# tied vocabulary (that probe cut it to 32k; here the head is a third of the bytes read per step).
 QWEN35_08B = {"hidden_size": 1024, "num_hidden_layers": 24, "full_attention_interval": 4,
               "intermediate_size": 3584, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 256, "linear_num_value_heads": 16, "linear_num_key_heads": 16,
@@ -88,7 +88,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="engine: Rewind's Engine, greedy with a logit bias against EOS; "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
-                             "kernels: the CUDA kernel trace (rewind.bench.decode_kernels)")
+                             "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, short prompts: a check that the bench runs")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -401,15 +401,27 @@ def run_http(server: Any, prompts: list[list[int]], decode_tokens: int, chunk_to
 # ---- the kernel trace (its own process) -------------------------------------------------------
 
 
+# A developer probe outside the installed package: found in a checkout only.
+KERNEL_PROBE = Path(__file__).resolve().parents[3] / "benchmarks" / "probes" / "decode_kernels.py"
+
+
 def run_kernel_trace(folder: Path, out: Path, streams: list[int], prompt_tokens: int,
                      attention_cases: bool, timeout: float) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "rewind.bench.decode_kernels", "--model", str(folder),
+    if not KERNEL_PROBE.exists():
+        return {"error": f"no kernel probe at {KERNEL_PROBE} (it runs from a checkout)"}
+    argv = [sys.executable, str(KERNEL_PROBE), "--model", str(folder),
             "--json", str(out), "--streams", *map(str, streams),
             "--prompt-tokens", str(prompt_tokens)]
     if not attention_cases:
         argv.append("--no-attention-cases")
+    # The probe imports rewind: the same one as this process, installed or not.
+    import rewind
+
+    src = str(Path(rewind.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": src + (os.pathsep + path if path else "")}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
     if done.returncode != 0 or not out.exists():
@@ -667,7 +679,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"N={c}: {ms:.2f} ms" for c, ms in mlx_steps) + "."]
         kernels = entry.get("kernels")
         if kernels:
-            lines += ["", "### CUDA kernel trace (rewind.bench.decode_kernels)", ""]
+            lines += ["", "### CUDA kernel trace (benchmarks/probes/decode_kernels.py)", ""]
             lines += kernel_markdown(kernels)
         if entry.get("http_error"):
             lines += ["", f"HTTP rows failed: {entry['http_error']}"]

@@ -32,7 +32,7 @@ from rewind.engine.request import (
 )
 from rewind.engine.sampler import SequenceSampler
 from rewind.engine.runner import ModelRunner
-from rewind.engine.scheduler import SampleListener, Scheduler
+from rewind.engine.scheduler import Counters, SampleListener, Scheduler
 from rewind.engine.sequence import Sequence
 from rewind.engine.step_plan import StepPlan
 from rewind.engine.stops import TextStream
@@ -233,14 +233,14 @@ class Engine:
         self.failure: str | None = None
         self.restarts = 0
 
-    def _build(self) -> None:
+    def _build(self, counters: Counters | None = None) -> None:
         """The runner and the scheduler: everything a step touches besides the model."""
         self.runner = ModelRunner(
             self.loaded.model, max_kv_size=self.config.max_kv_size,
             chunk_tokens=self.config.chunk_tokens, block_tokens=block_tokens_of(self.prompt_cache),
             fault=forward_fault(str(getattr(self.loaded, "name", ""))))
         self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
-                                    self.eos_token_ids, self._listeners)
+                                    self.eos_token_ids, self._listeners, counters)
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -272,9 +272,7 @@ class Engine:
         model and prompt cache, on a new thread; the counters carry on. The model pool restarts
         engines it owns with their model loaded again; this is for an engine the caller owns."""
         self.shutdown()
-        counters = self._scheduler.counters
-        self._build()
-        self._scheduler.counters = counters
+        self._build(self._scheduler.counters)
         self.failure = None
         self.restarts += 1
         return self.start()

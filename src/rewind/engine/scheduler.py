@@ -21,6 +21,10 @@ A sequence prefills on its own batch-1 cache (restored from the prompt cache whe
 in calls cut on the one chunk grid, checkpointing where rewind.cache.checkpoints says; it
 samples its first token from the prompt's last logits, then joins the decode batch through the
 batch cache classes' merge/extend and leaves it through filter.
+
+What happens to a token once sampled (its text, stop strings, the request's finish, counters,
+sample listeners) is rewind.engine.emission's; drafting and verifying drafts is
+rewind.engine.verify's.
 """
 
 from __future__ import annotations
@@ -29,68 +33,33 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from rewind.cache.checkpoints import decode_checkpoint, is_checkpoint
-from rewind.cache.rollback import roll_back, rolls_back
+from rewind.cache.rollback import rolls_back
 from rewind.config import PASS_TOKENS, EngineConfig
 from rewind.engine.planner import passes_every_layer, plan_prefill
 from rewind.engine.positions import takes_positions
-from rewind.engine.request import (
-    EngineStoppedError,
-    FinishEvent,
-    FinishReason,
-    QueueFullError,
-    TokenEvent,
-)
+from rewind.engine.emission import Counters, Emission, SampleListener
+from rewind.engine.request import EngineStoppedError, FinishReason, QueueFullError
 from rewind.engine.runner import ModelRunner
-from rewind.engine.sampler import (
-    LazySamples,
-    Sampled,
-    read_samples,
-    sample_lazy,
-    sample_rows,
-)
-from rewind.engine.segment import RowCaches
+from rewind.engine.sampler import LazySamples, read_samples, sample_lazy, sample_rows
 from rewind.engine.sequence import EventSink, Sequence
-from rewind.engine.speculation import Speculator, resolve_mode, tenant_of
+from rewind.engine.speculation import Speculator, resolve_mode
 from rewind.engine.step_inputs import plain_rows
 from rewind.engine.step_plan import PrefillSlice, StepOutput, StepPlan
+from rewind.engine.verify import Verifier
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Counters", "EventSink", "SampleListener", "Scheduler", "Sequence"]
 
-SampleListener = Callable[[str, float], None]
-
-
-@dataclass
-class Counters:
-    requests_finished: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    prefilled_tokens: int = 0  # prompt tokens actually computed
-    generated_tokens: int = 0
-    cached_tokens: int = 0
-    cached_ram_tokens: int = 0
-    cached_disk_tokens: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    steps: int = 0  # engine steps that ran the model
-    pipelined_steps: int = 0  # of which decode steps queued before the previous was read
-    # Prefill work in prompt tokens x layers passed (x the layer count where calls stop between
-    # layers; one "layer" a call elsewhere), and the chunk calls that stopped between layers.
-    prefill_token_layers: int = 0
-    partial_chunk_calls: int = 0
-    # Prefill-only passes a mixed step ran after the decoding rows' (a sequence's next call).
-    extra_prefill_passes: int = 0
-
-
 class Scheduler:
     def __init__(self, runner: ModelRunner, config: EngineConfig, prompt_cache: Any,
-                 eos_token_ids: set[int], listeners: list[SampleListener]) -> None:
+                 eos_token_ids: set[int], listeners: list[SampleListener],
+                 counters: Counters | None = None) -> None:
         self.runner = runner
         self.model = runner.model
         self.config = config
@@ -121,15 +90,18 @@ class Scheduler:
             None if mode == "off" else Speculator(mode, config.speculative_max_draft,
                                                   config.speculative_step_tokens))
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
-        self.eos_token_ids = eos_token_ids
-        self.listeners = listeners
-        self.counters = Counters()
+        # Counters come in from a scheduler before this one where the engine restarted: they
+        # carry on, and the emission counts into the same object.
+        self.counters = counters if counters is not None else Counters()
+        self.emission = Emission(self.counters, eos_token_ids, listeners, self.speculator)
+        self.verifier: Verifier | None = (
+            None if self.speculator is None
+            else Verifier(self.speculator, self.emission, self.model, self.block_tokens))
         self._lock = threading.Lock()  # guards `waiting` (submit runs on callers' threads)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.decoding: list[Sequence] = []  # row i of the batch cache is decoding[i]
         self.batch_cache: list[Any] | None = None
-        self._typical_request_seconds = 0.0  # moving average over finished requests
         self._restored_now = False  # this step restored a prefix from the prompt cache
         # The passes the last step planned after its first (prefill only), and whether that
         # step's prefill was sliced beside decoding rows (rewind.engine.planner).
@@ -151,7 +123,7 @@ class Scheduler:
     def retry_after(self, queued: int) -> float:
         """When a slot is likely free for one more: the queue ahead drains `parallel` requests
         per typical request time (1 s before any request finished)."""
-        typical = self._typical_request_seconds or 1.0
+        typical = self.emission.typical_request_seconds or 1.0
         return min(60.0, max(1.0, typical * (queued + 1) / self.config.parallel))
 
     @property
@@ -185,9 +157,10 @@ class Scheduler:
             return self._pipelined_plan()
         self.counters.steps += 1
         drafts: list[tuple[int, list[int]]] = []
-        if self.decoding:
+        if self.decoding and self.verifier is not None:
             try:
-                drafts = self._drafts()
+                drafts = self.verifier.drafts(self.decoding, self.batch_cache,
+                                              bool(self.prefilling), self.counters.steps)
             except Exception as exc:
                 self._fail_decoding(exc)
         # Sliced passes are planned within the mixed budget, whole-chunk passes are not.
@@ -277,7 +250,7 @@ class Scheduler:
         with self._lock:
             waiting, self.waiting = list(self.waiting), deque()
         for seq in [*waiting, *self.prefilling, *self.decoding]:
-            self._finish(seq, reason, error)
+            self.emission.finish(seq, reason, error)
         self.prefilling.clear()
         self.decoding = []
         self.batch_cache = None
@@ -342,7 +315,7 @@ class Scheduler:
         gone += [self.decoding[i] for i in leaving]
         self._leave_batch(leaving)
         for seq in gone:
-            self._finish(seq, "cancelled")
+            self.emission.finish(seq, "cancelled")
         if gone:
             mx.clear_cache()  # hand the freed cache memory back now, not at some later step
 
@@ -357,7 +330,7 @@ class Scheduler:
                 self._start_prefill(seq)
             except Exception as exc:  # a bad request ends itself, never the engine
                 log.exception("request %s failed at admission", seq.request.request_id)
-                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                self.emission.finish(seq, "error", f"{type(exc).__name__}: {exc}")
                 continue
             seq.admitted.set()
             self.prefilling.append(seq)
@@ -369,7 +342,7 @@ class Scheduler:
         usage.queue_seconds = time.perf_counter() - seq.submitted_at
         usage.prompt_tokens = len(seq.prompt)
         self.counters.prompt_tokens += len(seq.prompt)
-        self._notify("queue_seconds", usage.queue_seconds)
+        self.emission.notify("queue_seconds", usage.queue_seconds)
         restored = None
         if self.prompt_cache is not None:
             try:
@@ -387,7 +360,7 @@ class Scheduler:
             self.counters.cached_tokens += restored.tokens
             self.counters.cached_ram_tokens += restored.ram_tokens
             self.counters.cached_disk_tokens += restored.disk_tokens
-            self._notify("restore_seconds", restored.seconds)
+            self.emission.notify("restore_seconds", restored.seconds)
         else:
             seq.cache = self.runner.new_cache()
             seq.prefilled = 0
@@ -422,7 +395,7 @@ class Scheduler:
         if seq in self.prefilling:
             self.prefilling.remove(seq)
             seq.cache, seq.partial = None, None
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            self.emission.finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
     def _after_chunk(self, call: PrefillSlice[Sequence], logits: mx.array | None,
                      checkpoint: bool) -> None:
@@ -441,12 +414,12 @@ class Scheduler:
             self._fail_prefill(seq, exc)
             return
         self.prefilling.remove(seq)
-        if self._on_token(seq, sampled):
+        if self.emission.on_token(seq, sampled):
             try:
                 self._join_batch(seq)
             except Exception as exc:  # e.g. a cache class that cannot batch
                 log.exception("joining the decode batch failed for %s", seq.request.request_id)
-                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                self.emission.finish(seq, "error", f"{type(exc).__name__}: {exc}")
         seq.cache = None
 
     def _checkpoint(self, seq: Sequence, tokens: list[int], cache: list[Any]) -> None:
@@ -478,7 +451,7 @@ class Scheduler:
     def _fail_decoding(self, exc: Exception) -> None:
         log.error("decode step failed: %s: %s", type(exc).__name__, exc)
         for seq in self.decoding:
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            self.emission.finish(seq, "error", f"{type(exc).__name__}: {exc}")
         self.decoding, self.batch_cache = [], None
 
     def _after_decode(self, logits: mx.array | None) -> None:
@@ -496,7 +469,7 @@ class Scheduler:
         step() (see step)."""
         results = read_samples(lazy)
         done = [i for i, (seq, sampled) in enumerate(zip(self.decoding, results))
-                if not self._on_token(seq, sampled)]
+                if not self.emission.on_token(seq, sampled)]
         if self.prompt_cache is not None:
             self._decode_checkpoints(set(done), fed)
         self._leave_batch(done)
@@ -506,55 +479,11 @@ class Scheduler:
                 self._inflight = self._inflight.select(keep) if keep else None
             mx.clear_cache()
 
-    # ---- speculative decoding ---------------------------------------------------------------
-
-    def _drafts(self) -> list[tuple[int, list[int]]]:
-        """(row, drafted tokens) of the rows that draft this step. None while a prompt is
-        being prefilled: a draft lengthens the step that carries the prompt's chunk, and a
-        waiting prompt's first token is what an agent's turn waits for (three agent sessions:
-        the sum of first-token times rose by a fifth when drafts shared those steps). A draft
-        never takes a row's cache past its next block boundary, so its checkpoints fall where
-        they would without speculation, nor past its last token (max_tokens); the step's drafts
-        stay within `step_tokens`."""
-        speculator = self.speculator
-        # A model given explicit rotary positions (Qwen-VL image prompts: rewind.vision
-        # installs them on the first image, after this scheduler began) decodes with them.
-        if (speculator is None or self.prefilling or takes_positions(self.model)
-                or not isinstance(self.batch_cache, RowCaches)):
-            return []
-        left = speculator.step_tokens
-        out: list[tuple[int, list[int]]] = []
-        # The step's draft budget goes round-robin: each step another row asks first.
-        rows = len(self.decoding)
-        first = self.counters.steps % rows if rows else 0
-        for row in [*range(first, rows), *range(first)]:
-            seq = self.decoding[row]
-            drafts = seq.drafts
-            if drafts is None or left <= 0:
-                continue
-            index = drafts.index
-            index.extend(seq.generated[len(index.tokens) - len(seq.prompt):])
-            held = len(seq.prompt) + len(seq.generated) - 1
-            boundary = (held // self.block_tokens + 1) * self.block_tokens
-            limit = min(left, boundary - held - 1,
-                        seq.request.params.max_tokens - len(seq.generated) - 1)
-            if limit <= 0:
-                continue
-            draft = speculator.propose(drafts, tenant_of(seq.request.extras),
-                                       self.counters.steps, limit)
-            if draft:
-                out.append((row, draft))
-                left -= len(draft)
-        return sorted(out)
-
     def _after_verify(self, plan: StepPlan, logits: list[mx.array | None]) -> None:
-        """Emit a speculative step's tokens: each drafting row's, position by position, as its
-        sampler draws them from the logits after the tokens accepted before, up to the first
-        that differs from the draft (that one is the model's own, and emitted too); then roll
-        the row's cache back past what it did not keep. Then the other rows' one token each."""
-        speculator = self.speculator
-        assert speculator is not None
-        batch = self.batch_cache or []
+        """Emit a speculative step's tokens: the drafting rows' (the verifier's), then the other
+        rows' one token each; rows that finish leave the batch."""
+        verifier = self.verifier
+        assert verifier is not None
         drafted = plan.drafts
         plain = plain_rows(plan)
         try:
@@ -564,62 +493,16 @@ class Scheduler:
         except Exception as exc:
             self._fail_decoding(exc)
             return
-        done: set[int] = set()
-        speculator.counters.steps += 1
-        for (row, draft), row_logits in zip(drafted, logits):
-            seq = self.decoding[row]
-            emitted, accepted, alive = self._verify_row(seq, draft, row_logits)
-            try:
-                roll_back(batch[row], len(draft) + 1 - emitted)
-            except Exception as exc:  # the row's cache holds tokens it did not keep
-                log.exception("rolling back the draft of %s failed", seq.request.request_id)
-                if alive:
-                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-                alive = False
-            if seq.drafts is not None:
-                speculator.record(seq.drafts, self.counters.steps, len(draft), accepted)
-            seq.usage.drafted_tokens += len(draft)
-            seq.usage.accepted_tokens += accepted
-            if not alive:
-                done.add(row)
+        done = verifier.verify(drafted, logits, self.decoding, self.batch_cache or [],
+                               self.counters.steps)
         for row, sampled in zip(plain, plain_samples):
-            if not self._on_token(self.decoding[row], sampled):
+            if not self.emission.on_token(self.decoding[row], sampled):
                 done.add(row)
         if self.prompt_cache is not None:
             self._decode_checkpoints(done)
         self._leave_batch(sorted(done))
         if done:
             mx.clear_cache()
-
-    def _verify_row(self, seq: Sequence, draft: list[int],
-                    logits: mx.array | None) -> tuple[int, int, bool]:
-        """Emit a drafting row's tokens from its logits [1, len(draft) + 1, vocab]: (tokens
-        emitted, drafted tokens accepted, whether the sequence goes on)."""
-        assert logits is not None
-        greedy = seq.sampler.plain_greedy
-        try:
-            choices = mx.argmax(logits[0], axis=-1).tolist() if greedy else []
-        except Exception as exc:
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            return 0, 0, False
-        emitted = accepted = 0
-        for position in range(len(draft) + 1):
-            if greedy:
-                sampled = Sampled(int(choices[position]), None, None)
-            else:
-                try:
-                    sampled = sample_rows([seq.sampler], logits[:, position, :])[0]
-                except Exception as exc:
-                    log.exception("sampling failed for %s", seq.request.request_id)
-                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-                    return emitted, accepted, False
-            emitted += 1
-            if not self._on_token(seq, sampled):
-                return emitted, accepted, False
-            if position == len(draft) or sampled.token != draft[position]:
-                break
-            accepted += 1
-        return emitted, accepted, True
 
     def _decode_checkpoints(self, finished_rows: set[int], fed: bool = False) -> None:
         """Checkpoint a decoding sequence every block it holds and where it ends (the next
@@ -637,73 +520,3 @@ class Scheduler:
                 log.exception("extracting row %d for a checkpoint failed", row)
                 continue
             self._checkpoint(seq, (seq.prompt + seq.generated)[:held], single)
-
-    # ---- tokens out -------------------------------------------------------------------------
-
-    def _on_token(self, seq: Sequence, sampled: Sampled) -> bool:
-        """Emit one generated token; True while the sequence goes on. A failure here (say, in
-        detokenization) ends this request only."""
-        try:
-            return self._emit_token(seq, sampled)
-        except Exception as exc:
-            log.exception("token handling failed for %s", seq.request.request_id)
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            return False
-
-    def _emit_token(self, seq: Sequence, sampled: Sampled) -> bool:
-        now = time.perf_counter()
-        if not seq.generated:
-            seq.usage.ttft_seconds = now - seq.submitted_at
-            self._notify("ttft_seconds", seq.usage.ttft_seconds)
-        else:
-            self._notify("itl_seconds", now - seq.last_token_at)
-        seq.last_token_at = now
-        token = sampled.token
-        seq.generated.append(token)
-        seq.sampler.accept(token)
-        seq.next_input = token
-        self.counters.generated_tokens += 1
-
-        reason: FinishReason | None = None
-        stop_string = None
-        if token in self.eos_token_ids:
-            step = seq.text.finish()
-            reason = "stop"
-        else:
-            step = seq.text.add(token)
-            if step.stop is not None:
-                reason, stop_string = "stop", step.stop
-            elif len(seq.generated) >= seq.request.params.max_tokens:
-                tail = seq.text.finish()
-                step.text += tail.text
-                reason, stop_string = ("stop", tail.stop) if tail.stop else ("length", None)
-        seq.emit(TokenEvent(token, step.text, sampled.logprob, sampled.top_logprobs))
-        if reason is not None:
-            self._finish(seq, reason, stop_string=stop_string)
-            return False
-        return True
-
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-                stop_string: str | None = None) -> None:
-        usage = seq.usage
-        usage.completion_tokens = len(seq.generated)
-        usage.total_seconds = time.perf_counter() - seq.submitted_at
-        if reason in ("stop", "length"):
-            previous = self._typical_request_seconds
-            self._typical_request_seconds = (usage.total_seconds if previous == 0.0
-                                             else 0.8 * previous + 0.2 * usage.total_seconds)
-        self.counters.requests_finished += 1
-        if self.speculator is not None:
-            self.speculator.finished(seq.drafts, tenant_of(seq.request.extras), seq.generated)
-            seq.drafts = None
-        reasons = self.counters.finish_reasons
-        reasons[reason] = reasons.get(reason, 0) + 1
-        seq.emit(FinishEvent(reason, usage, error, stop_string))
-        seq.admitted.set()
-
-    def _notify(self, name: str, value: float) -> None:
-        for listener in self.listeners:
-            try:
-                listener(name, value)
-            except Exception:  # a metrics hook must not break generation
-                log.exception("sample listener failed")

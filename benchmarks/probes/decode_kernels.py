@@ -1,10 +1,9 @@
 """Which CUDA kernels a decode step runs, and how busy they keep the GPU: run in a process of its
-own by `rewind bench decode-scaling` (parts `kernels`), or as
-`python -m rewind.bench.decode_kernels --model FOLDER --json OUT`.
+own by `rewind bench decode-scaling` (parts `kernels`), or from the repository root as
+`PYTHONPATH=src python benchmarks/probes/decode_kernels.py --model FOLDER --json OUT`.
 
-Why torch: MLX has no kernel timeline on CUDA (no Metal capture, and Nsight Systems does not run
-on the lent machines), but PyTorch's profiler records every kernel of the process through CUPTI,
-MLX's included, with its name and its device-side start and duration. Two uses:
+Why torch: MLX has no kernel timeline on CUDA; PyTorch's profiler records every kernel of the
+process through CUPTI, MLX's included (rewind.bench.cupti_trace). Two uses:
 
 - attention path: MLX's CUDA attention takes cuDNN's fused kernel for a one-token query only when
   the KV is a slice of one buffer whose capacity is a multiple of 256 and there is no array mask
@@ -27,82 +26,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rewind.bench.cupti_trace import (  # torch before mlx
+    PROFILE, busy_us, top_kernels, traced)
+
 # Names as the CUDA libraries and MLX give them (substrings, lower case).
 CUDNN_MARKS = ("cudnn", "fmha", "flash", "sdpa_")
 MLX_VECTOR_MARK = "sdpav"
-
-
-def _torch_profiler() -> Any | None:
-    try:
-        import torch  # noqa: F401  (imported before mlx: its CUDA libraries load first)
-        from torch.profiler import ProfilerActivity, profile
-    except Exception:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.init()
-    return lambda: profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-
-
-PROFILE = _torch_profiler()
-
-
-def trace_events(run: Callable[[], None]) -> list[dict[str, Any]] | None:
-    """Every CUPTI event of the process during `run` (category, name, ts and dur in
-    microseconds): kernels, memcpys, runtime/driver calls. None without the profiler."""
-    if PROFILE is None:
-        run()
-        return None
-    with PROFILE() as profiler:
-        run()
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "trace.json"
-        profiler.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    return [{"cat": e.get("cat"), "name": e.get("name", ""), "ts": float(e["ts"]),
-             "dur": float(e.get("dur", 0.0))}
-            for e in events if e.get("ph") == "X" and "ts" in e]
-
-
-def traced(run: Callable[[], None]) -> list[dict[str, Any]] | None:
-    """The kernels (name, ts and dur in microseconds) that ran on the GPU during `run`."""
-    events = trace_events(run)
-    if events is None:
-        return None
-    return [{"name": e["name"], "ts": e["ts"], "dur": e["dur"]}
-            for e in events if e["cat"] == "kernel"]
-
-
-def busy_us(kernels: list[dict[str, Any]]) -> float:
-    """Time at least one kernel ran (overlaps counted once)."""
-    total, end = 0.0, float("-inf")
-    for k in sorted(kernels, key=lambda k: k["ts"]):
-        start, stop = k["ts"], k["ts"] + k["dur"]
-        if start >= end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
-
-
-def top_kernels(kernels: list[dict[str, Any]], steps: int, count: int = 8) -> list[dict]:
-    sums: dict[str, list[float]] = {}
-    for k in kernels:
-        sums.setdefault(k["name"], []).append(k["dur"])
-    ranked = sorted(sums.items(), key=lambda item: -sum(item[1]))[:count]
-    return [{"name": name, "calls_per_step": round(len(durs) / steps, 1),
-             "ms_per_step": round(sum(durs) / steps / 1000, 4)} for name, durs in ranked]
 
 
 def attention_path(kernels: list[dict[str, Any]] | None) -> str:
@@ -366,7 +301,8 @@ def _busy_row(path: str, streams: int, steps: float, seconds: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/decode_kernels.py",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--json", required=True, type=Path)
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 32])
