@@ -339,8 +339,6 @@ def churn_under_a_tight_budget(tiny_model_path, tmp_path) -> None:
 
 def test_a_wait_for_memory_is_bounded_and_ends_when_its_client_leaves(tiny_model_path,
                                                                       tmp_path):
-    import asyncio
-
     name = folders(tiny_model_path)[0]
     with pool_server([name], tmp_path, reserve_tokens=16) as (live, pool):
         budget = pool.budget
@@ -348,7 +346,8 @@ def test_a_wait_for_memory_is_bounded_and_ends_when_its_client_leaves(tiny_model
         kv = pool.slot(name).runtime.kv
         # A running sequence holding the whole reserve (--parallel 2 x 256 tokens): a real
         # ticket, taken as a request's would be, so the wait does not hang on timing.
-        held = asyncio.run(budget.admit(kv, 512, name))
+        held = budget.reserve(kv, 512, name)
+        assert held is not None
         request = {"model": name, "prompt": PROMPT[:200], "max_tokens": 2, "temperature": 0}
 
         budget.max_wait_seconds = 0.3

@@ -115,6 +115,8 @@ class Emission:
             seq.drafts = None
         reasons = self.counters.finish_reasons
         reasons[reason] = reasons.get(reason, 0) + 1
+        if seq.ticket is not None:  # its cache's room in the memory budget
+            seq.ticket.release()
         seq.emit(FinishEvent(reason, usage, error, stop_string))
         seq.admitted.set()
 

@@ -21,6 +21,7 @@ from rewind.config import EngineConfig
 from rewind.memory import release_free_heap
 from rewind.engine.faults import forward_fault
 from rewind.engine.grammar import GrammarBackend
+from rewind.engine.memory_budget import KvAccount, NeverFits, Ticket
 from rewind.engine.request import (
     EngineStoppedError,
     Event,
@@ -204,7 +205,7 @@ class Engine:
     """Continuous batching over one model. `submit` from any thread; events via the handle."""
 
     def __init__(self, loaded: Any, config: EngineConfig | None = None,
-                 prompt_cache: Any = None) -> None:
+                 prompt_cache: Any = None, memory: KvAccount | None = None) -> None:
         self.loaded = loaded
         self.config = config or EngineConfig()
         if self.config.parallel < 1:
@@ -217,6 +218,10 @@ class Engine:
                         "tokens, so past that size batched output can differ from batch-1",
                         self.config.max_kv_size)
         self.prompt_cache = prompt_cache
+        # Where the memory budget is kept, this engine's account in it: the scheduler admits a
+        # sequence with room for its prompt's cache and grows it before each token
+        # (rewind.engine.memory_budget). None: no budget.
+        self.memory = memory
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = _eos_token_ids(loaded.tokenizer, loaded.config)
         self.vocab_size = _vocab_size(loaded.model, loaded.tokenizer, loaded.config)
@@ -240,7 +245,7 @@ class Engine:
             chunk_tokens=self.config.chunk_tokens, block_tokens=block_tokens_of(self.prompt_cache),
             fault=forward_fault(str(getattr(self.loaded, "name", ""))))
         self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
-                                    self.eos_token_ids, self._listeners, counters)
+                                    self.eos_token_ids, self._listeners, counters, self.memory)
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -289,9 +294,13 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, request: GenerationRequest, memory_ticket: Ticket | None = None
+               ) -> RequestHandle:
         """Queue a request; raises QueueFullError past max_queue, InvalidRequestError on bad
-        input, EngineStoppedError when the engine is not running."""
+        input (a prompt whose cache could never fit the memory budget too), EngineStoppedError
+        when the engine is not running. `memory_ticket`: room for its prompt's cache already
+        taken in the memory budget (the server waits for it at its door); the engine grows it
+        and gives it back. Without one, an engine with a budget takes it at admission."""
         if self.failure is not None:
             raise EngineStoppedError(f"the engine stopped after a failure ({self.failure}); "
                                      "retry: it is being restarted")
@@ -309,6 +318,11 @@ class Engine:
             raise InvalidRequestError(f"model_tokens has {len(request.model_tokens)} ids for "
                                       f"{len(request.prompt_tokens)} prompt tokens")
         request.params.validate()
+        if memory_ticket is None and self.memory is not None:
+            try:
+                self.memory.check(len(request.prompt_tokens) + 1)
+            except NeverFits as exc:
+                raise InvalidRequestError(str(exc)) from exc
         cancelled = threading.Event()
         handle = RequestHandle(request.request_id, cancelled, self._wakeup.set)
         sequence = Sequence(
@@ -322,6 +336,7 @@ class Engine:
             usage=Usage(prompt_tokens=len(request.prompt_tokens)),
             cancelled=cancelled,
             admitted=handle.admitted,
+            ticket=memory_ticket,
         )
         handle.usage = sequence.usage
         self._enqueue(sequence)

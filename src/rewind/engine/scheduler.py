@@ -40,9 +40,10 @@ import mlx.core as mx
 from rewind.cache.checkpoints import decode_checkpoint, is_checkpoint
 from rewind.cache.rollback import rolls_back
 from rewind.config import PASS_TOKENS, EngineConfig
+from rewind.engine.emission import Counters, Emission, SampleListener
+from rewind.engine.memory_budget import KvAccount, NeverFits
 from rewind.engine.planner import passes_every_layer, plan_prefill
 from rewind.engine.positions import takes_positions
-from rewind.engine.emission import Counters, Emission, SampleListener
 from rewind.engine.request import EngineStoppedError, FinishReason, QueueFullError
 from rewind.engine.runner import ModelRunner
 from rewind.engine.sampler import LazySamples, read_samples, sample_lazy, sample_rows
@@ -56,11 +57,16 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Counters", "EventSink", "SampleListener", "Scheduler", "Sequence"]
 
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, config: EngineConfig, prompt_cache: Any,
                  eos_token_ids: set[int], listeners: list[SampleListener],
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, memory: KvAccount | None = None) -> None:
         self.runner = runner
+        # The memory budget's account of this engine's sequences, if one is kept: admission
+        # waits for room for a prompt's cache, and each decoding row's room grows before the
+        # step that makes its token (rewind.engine.memory_budget).
+        self.memory = memory
         self.model = runner.model
         self.config = config
         self.prompt_cache = prompt_cache
@@ -151,6 +157,7 @@ class Scheduler:
         self._drop_cancelled()
         self._restored_now = False
         admitted = self._admit()
+        self._cut_rows_over_budget()
         if not self.prefilling and not self.decoding:
             return None
         if self._can_pipeline():
@@ -163,6 +170,9 @@ class Scheduler:
                                               bool(self.prefilling), self.counters.steps)
             except Exception as exc:
                 self._fail_decoding(exc)
+            # A draft the row's room cannot hold is not verified: the row decodes one token.
+            drafts = [(row, draft) for row, draft in drafts
+                      if self._room_for(self.decoding[row], len(draft) + 1)]
         # Sliced passes are planned within the mixed budget, whole-chunk passes are not.
         self._sliced = self._slicing
         passes = self._plan_prefill()
@@ -267,7 +277,12 @@ class Scheduler:
             return False
         if self.waiting and self.running < self.config.parallel:
             return False
-        return not any(s.cancelled.is_set() or s.sampler.needs_history for s in self.decoding)
+        if any(s.cancelled.is_set() or s.sampler.needs_history for s in self.decoding):
+            return False
+        # The queued step makes each row's token after the one in flight; a row without room
+        # for it is cut by an unpipelined step (_cut_rows_over_budget).
+        ahead = 2 if self._inflight is not None else 1
+        return all(self._room_for(s, ahead) for s in self.decoding)
 
     def _pipelined_plan(self) -> StepPlan:
         """A decode step queued on the in-flight tokens (or the rows' last ones); their reading
@@ -320,12 +335,24 @@ class Scheduler:
             mx.clear_cache()  # hand the freed cache memory back now, not at some later step
 
     def _admit(self) -> list[Sequence]:
+        """Waiting sequences into free slots, oldest first; where a memory budget is kept, each
+        once its prompt's cache has room (the oldest waits, and those behind it with it)."""
         admitted: list[Sequence] = []
         while self.running < self.config.parallel:
             with self._lock:
                 if not self.waiting:
                     return admitted
-                seq = self.waiting.popleft()
+                seq = self.waiting[0]
+            if seq.ticket is None and self.memory is not None:
+                try:
+                    seq.ticket = self.memory.reserve(seq.prompt_length + 1)
+                except NeverFits as exc:  # the budget shrank or a model loaded since submit
+                    self._take_waiting(seq)
+                    self.emission.finish(seq, "error", str(exc))
+                    continue
+                if seq.ticket is None:
+                    return admitted
+            self._take_waiting(seq)
             try:
                 self._start_prefill(seq)
             except Exception as exc:  # a bad request ends itself, never the engine
@@ -336,6 +363,29 @@ class Scheduler:
             self.prefilling.append(seq)
             admitted.append(seq)
         return admitted
+
+    def _take_waiting(self, seq: Sequence) -> None:
+        with self._lock:
+            self.waiting.remove(seq)
+
+    def _room_for(self, seq: Sequence, tokens: int) -> bool:
+        """Whether the row's room in the memory budget holds `tokens` more than it generated
+        (its prompt and every token it emitted; growing it where it does not yet), or no
+        budget is kept."""
+        ticket = seq.ticket
+        return ticket is None or ticket.grow_to(seq.prompt_length + len(seq.generated) + tokens)
+
+    def _cut_rows_over_budget(self) -> None:
+        """End with finish_reason "length" the decoding rows whose next token would take their
+        cache over the memory budget, before the step that would make it."""
+        cut = [row for row, seq in enumerate(self.decoding) if not self._room_for(seq, 1)]
+        for row in cut:
+            seq = self.decoding[row]
+            reason = (f"memory budget: this sequence's cache ({seq.ticket.tokens} tokens) "
+                      "would cross --memory-budget")
+            log.warning("%s; ending it with finish_reason length", reason)
+            self.emission.finish(seq, "length", reason)
+        self._leave_batch(cut)
 
     def _start_prefill(self, seq: Sequence) -> None:
         usage = seq.usage

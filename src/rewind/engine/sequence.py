@@ -40,6 +40,9 @@ class Sequence:
     next_input: int = -1  # last sampled token, the input of its next decode step
     last_token_at: float = 0.0
     drafts: RowDrafts | None = None  # its speculative-decoding state, while it may draft
+    # Its cache's room in the memory budget (rewind.engine.memory_budget.Ticket), if one is
+    # kept: taken for the prompt before admission, grown before each step that makes tokens.
+    ticket: Any = None
 
     @property
     def prompt(self) -> list[int]:

@@ -1,283 +1,77 @@
-"""The memory budget: loaded weights + live KV caches + the prompt cache's RAM tier, under one cap.
-
-Accounting checked against the OS: each loaded model counts the larger of its estimate and the
-RSS its load actually added (ModelPool measures it), plus a reserve for its sequences' caches
-(--parallel slots of --kv-reserve-tokens); each live sequence the bytes its cache holds at its
-token count (KvShape; a model's sequences fill its reserve first, then take room beyond it); the
-RAM tier its records' bytes; a load in progress its measured (or estimated) peak, which is above
-what it keeps: files read before the cast, a tokenizer parsed; and the process its baseline.
-
-The baseline is sampled, not assumed: at each load and unload (`observe`) whatever RSS the
-accounting does not explain (modules imported by a first load, heap or MLX cache not handed back
-yet) is counted as baseline, never less than what the process held before any model. Sampling
-alone would see a sequence only after it crossed the line; accounting alone missed 0.95 GiB of
-load temporaries and retained heap in `rewind bench model-switch`'s churn. Between loads the
-guard runs on accounting (cheap, checked per token). When room runs short it acts in this order:
-  1. the RAM tier shrinks (its records spill to the disk tier: they cost a read, not a recompute);
-  2. a new sequence waits for room (429 with Retry-After once --max-queue are waiting);
-  3. a running sequence that would cross the budget is ended with finish_reason "length".
-Everything here runs on the event loop's thread except stats(), hence the lock.
+"""The memory budget at the HTTP door: a request waits here for room for its prompt's cache, or
+is answered 429, 503 or 400, before the engine sees it. The accounting itself (what is
+committed, tickets, loads, the RAM tier) is rewind.engine.memory_budget; the scheduler grows each
+sequence's ticket before the step that makes its next token and ends it with finish_reason
+"length" when the budget is crossed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rewind.engine.memory_budget import GUARD_ACTIONS, MemoryBudget, NeverFits, Ticket, gib
 from rewind.models.memory_estimate import KvShape
 from rewind.server.errors import ApiError
 
-log = logging.getLogger(__name__)
+__all__ = ["GUARD_ACTIONS", "MemoryBudget", "Ticket", "admit", "default_budget_bytes", "gib",
+           "parse_budget"]
 
 WAIT_POLL_SECONDS = 0.05
 RETRY_AFTER_SECONDS = 2
-# How long a sequence waits for room before a 503: long enough for running ones to finish a
-# typical answer, short enough that a client is told rather than left hanging (their own
-# timeouts are often 60 s or more; then they retry after Retry-After).
-MAX_WAIT_SECONDS = 30.0
-GUARD_ACTIONS = ("ram_spill", "wait", "reject_429", "cut_length", "unload_lru", "fallback",
-                 "refuse_load", "refuse_prompt", "wait_timeout", "wait_abandoned")
 
 
-def gib(value: int) -> str:
-    return f"{value / (1 << 30):.2f} GiB"
-
-
-class Ticket:
-    """One sequence's share of the budget: the bytes of its cache at its current length."""
-
-    def __init__(self, budget: MemoryBudget, kv: KvShape, tokens: int, model: str) -> None:
-        self.budget = budget
-        self.kv = kv
-        self.tokens = tokens
-        self.bytes = kv.bytes_for(tokens)
-        self.model = model
-        self.released = False
-
-    def grow(self, tokens: int = 1) -> bool:
-        """Account `tokens` more; False (nothing changed) when that would cross the budget."""
-        wanted = self.kv.bytes_for(self.tokens + tokens)
-        if wanted > self.bytes and not self.budget._extend(self, wanted - self.bytes):
-            return False
-        self.tokens += tokens
-        return True
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.budget._release(self)
-
-
-class MemoryBudget:
-    def __init__(self, total_bytes: int, tiers: Any = None, max_waiting: int = 64,
-                 base_bytes: int = 0) -> None:
-        self.total = int(total_bytes)
-        self.tiers = tiers  # rewind.cache.shared_tiers.SharedTiers, or None
-        self.max_waiting = max_waiting
-        self.max_wait_seconds = MAX_WAIT_SECONDS
-        self.base = int(base_bytes)  # RSS before any model: the floor of the baseline
-        self.observed_base = self.base  # the baseline as last sampled (`observe`)
-        self.rss = self.base  # the process's RSS when last sampled
-        self._lock = threading.Lock()
-        self._models: dict[str, tuple[int, int]] = {}  # name -> (weights, KV reserve)
-        self._loading: dict[str, int] = {}  # name -> peak bytes reserved while it loads
-        self._live: dict[int, Ticket] = {}
-        self._waiting = 0
-        self.actions: Counter[str] = Counter()
-
-    # ---- what is committed -------------------------------------------------------------------
-
-    def _ram_bytes(self) -> int:
-        return self.tiers.ram_bytes() if self.tiers is not None else 0
-
-    def _fixed(self, excluding: str | None = None, live: bool = True) -> int:
-        """Everything but the RAM tier, which can spill: the baseline, each model's weights and
-        the larger of its reserve and its live sequences' caches."""
-        with self._lock:
-            per_model: dict[str, int] = {}
-            if live:
-                for ticket in self._live.values():
-                    per_model[ticket.model] = per_model.get(ticket.model, 0) + ticket.bytes
-            total = max(self.base, self.observed_base) + sum(self._loading.values())
-            for name, (weights, reserve) in self._models.items():
-                if name != excluding:
-                    total += weights + max(reserve, per_model.pop(name, 0))
-            return total + sum(per_model.values())  # sequences of models gone meanwhile
-
-    def committed(self) -> int:
-        return self._fixed() + self._ram_bytes()
-
-    def live_bytes(self) -> int:
-        with self._lock:
-            return sum(ticket.bytes for ticket in self._live.values())
-
-    def models_bytes(self) -> int:
-        """Weights and reserves of the loaded models."""
-        with self._lock:
-            return sum(weights + reserve for weights, reserve in self._models.values())
-
-    def free_for_load(self) -> int:
-        """Room for one more model's load peak and reserve (the RAM tier spills to make room)."""
-        return self.total - self._fixed()
-
-    def baseline(self) -> int:
-        """The process without models: its RSS before any, or more as last observed."""
-        return max(self.base, self.observed_base)
-
-    def alone_room(self) -> int:
-        """What one model could have with every other unloaded and nothing running."""
-        return self.total - self.baseline()
-
-    def observe(self, rss: int | None = None) -> int:
-        """Sample the process's RSS and count what the accounting does not explain as baseline
-        (never below the RSS before any model). Called between loads and unloads, when no load
-        is in flight (a load's pages are not charged until it ends). Returns the RSS."""
-        from rewind.memory import process_rss
-
-        rss = process_rss() if rss is None else int(rss)
-        with self._lock:
-            if self._loading:
-                return rss
-            explained = sum(weights for weights, _ in self._models.values())
-            explained += sum(ticket.bytes for ticket in self._live.values())
-        explained += self._ram_bytes()
-        self.rss = rss
-        self.observed_base = max(self.base, rss - explained)
-        return rss
-
-    # ---- loads -------------------------------------------------------------------------------
-
-    def begin_load(self, name: str, peak_bytes: int) -> None:
-        """Hold `peak_bytes` for a load in flight: its RSS rises by up to that before the model
-        is charged what it keeps."""
-        with self._lock:
-            self._loading[name] = int(peak_bytes)
-        self.rebalance()
-
-    def end_load(self, name: str) -> None:
-        with self._lock:
-            self._loading.pop(name, None)
-
-    # ---- models ------------------------------------------------------------------------------
-
-    def set_model(self, name: str, weights: int, reserve: int = 0) -> None:
-        with self._lock:
-            self._models[name] = (int(weights), int(reserve))
-        self.rebalance()
-
-    def drop_model(self, name: str) -> None:
-        with self._lock:
-            self._models.pop(name, None)
-        self.rebalance()
-
-    # ---- sequences ---------------------------------------------------------------------------
-
-    async def admit(self, kv: KvShape, tokens: int, model: str,
-                    client_gone: Callable[[], Awaitable[Any]] | None = None) -> Ticket:
-        """A ticket for a new sequence of `tokens`, once its cache fits; waits while the
-        running ones hold the room (at most max_wait_seconds, then 503; given up at once when
-        what `client_gone()` returns completes: the client hung up); 429 past max_waiting; 400 for a prompt
-        that cannot fit."""
-        ticket = Ticket(self, kv, tokens, model)
-        with self._lock:
-            weights = self._models.get(model, (0, 0))[0]
-        # With nothing else running, the sequence could have its model's whole share.
-        never = self.total - self._fixed(excluding=model, live=False) - weights
-        if ticket.bytes > never:
-            self.actions["refuse_prompt"] += 1
-            raise ApiError(400, "invalid_request",
-                           f"this prompt's cache needs {gib(ticket.bytes)} ({tokens} tokens on "
-                           f"{model!r}); the memory budget ({gib(self.total)}, --memory-budget) "
-                           f"leaves {gib(max(0, never))} beside the loaded models",
-                           param="messages", code="insufficient_memory")
-        if self._try_take(ticket):
-            return ticket
-        if self._waiting >= self.max_waiting:
-            self.actions["reject_429"] += 1
-            raise ApiError(429, "rate_limit",
-                           f"the memory budget ({gib(self.total)}) is in use by running "
-                           f"sequences and {self._waiting} requests wait for room; retry later",
-                           code="memory_budget_full",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        self.actions["wait"] += 1
-        self._waiting += 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_seconds
-        gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+async def admit(budget: MemoryBudget, kv: KvShape, tokens: int, model: str,
+                client_gone: Callable[[], Awaitable[Any]] | None = None) -> Ticket:
+    """A ticket for a new sequence of `tokens`, once its cache fits; waits while the running
+    ones hold the room (at most budget.max_wait_seconds, then 503; given up at once when what
+    `client_gone()` returns completes: the client hung up); 429 past budget.max_waiting; 400 for
+    a prompt that cannot fit."""
+    try:
+        ticket = budget.reserve(kv, tokens, model)
+    except NeverFits as exc:
+        raise ApiError(400, "invalid_request", str(exc), param="messages",
+                       code="insufficient_memory") from exc
+    if ticket is not None:
+        return ticket
+    if budget.waiting >= budget.max_waiting:
+        budget.actions["reject_429"] += 1
+        raise ApiError(429, "rate_limit",
+                       f"the memory budget ({gib(budget.total)}) is in use by running "
+                       f"sequences and {budget.waiting} requests wait for room; retry later",
+                       code="memory_budget_full",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    budget.actions["wait"] += 1
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget.max_wait_seconds
+    gone = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+    with budget.waiting_for_room():
         try:
-            while not self._try_take(ticket):
+            while True:
+                try:
+                    ticket = budget.reserve(kv, tokens, model)
+                except NeverFits as exc:  # a model loaded meanwhile took the room for good
+                    raise ApiError(400, "invalid_request", str(exc), param="messages",
+                                   code="insufficient_memory") from exc
+                if ticket is not None:
+                    return ticket
                 if gone is not None and gone.done():
-                    self.actions["wait_abandoned"] += 1
+                    budget.actions["wait_abandoned"] += 1
                     # Nobody reads this answer; 499 (the client closed) only shows in logs.
                     raise ApiError(499, "invalid_request", "the client disconnected while "
                                    "waiting for room in the memory budget")
                 if loop.time() >= deadline:
-                    self.actions["wait_timeout"] += 1
+                    budget.actions["wait_timeout"] += 1
                     raise ApiError(503, "overloaded",
-                                   f"no room in the memory budget ({gib(self.total)}) for "
-                                   f"{self.max_wait_seconds:g} s: running sequences hold it; "
-                                   "retry later", code="memory_budget_full",
+                                   f"no room in the memory budget ({gib(budget.total)}) for "
+                                   f"{budget.max_wait_seconds:g} s: running sequences hold "
+                                   "it; retry later", code="memory_budget_full",
                                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 await asyncio.sleep(WAIT_POLL_SECONDS)
         finally:
-            self._waiting -= 1
             if gone is not None:
                 gone.cancel()
-        return ticket
-
-    def _try_take(self, ticket: Ticket) -> bool:
-        with self._lock:
-            self._live[id(ticket)] = ticket
-        if self._fixed() > self.total:  # with it counted (a model's reserve absorbs it first)
-            with self._lock:
-                self._live.pop(id(ticket), None)
-            return False
-        self.rebalance()
-        return True
-
-    def _extend(self, ticket: Ticket, extra: int) -> bool:
-        ticket.bytes += extra
-        if self._fixed() > self.total:
-            ticket.bytes -= extra
-            self.actions["cut_length"] += 1
-            return False
-        self.rebalance()
-        return True
-
-    def _release(self, ticket: Ticket) -> None:
-        with self._lock:
-            self._live.pop(id(ticket), None)
-        self.rebalance()
-
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    # ---- the RAM tier ------------------------------------------------------------------------
-
-    def rebalance(self) -> None:
-        """The RAM tier gets what the rest leaves (up to its own --cache-ram): shrinking it
-        spills its oldest records to disk."""
-        if self.tiers is None:
-            return
-        room = max(0, self.total - self._fixed())
-        held = self._ram_bytes()
-        if held > room:
-            self.actions["ram_spill"] += 1
-            log.info("memory budget: the prompt cache's RAM tier spills %s to disk",
-                     gib(held - room))
-        self.tiers.restore_ram_budget(room)
-
-    def stats(self) -> dict[str, Any]:
-        return {"budget_bytes": self.total, "committed_bytes": self.committed(),
-                "base_bytes": self.baseline(), "rss_bytes": self.rss,
-                "loading_bytes": sum(self._loading.values()), "models_bytes": self.models_bytes(),
-                "live_kv_bytes": self.live_bytes(), "ram_tier_bytes": self._ram_bytes(),
-                "waiting": self._waiting, "actions": dict(self.actions)}
 
 
 def default_budget_bytes(fraction: float = 0.8) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rewind.config import ServerConfig
+from rewind.engine.memory_budget import KvAccount
 from rewind.models.catalog import Catalog, Servable
 from rewind.models.memory_estimate import kv_shape, loaded_bytes
 from rewind.server.errors import ApiError
@@ -381,9 +382,11 @@ class ModelPool:
         elif cache is not None:
             cache.model = loaded.model
         slot.prompt_cache = cache
-        engine = Engine(loaded, self.config.engine, cache).start()
         element = 4 if self.backend == "cpu" else 2
         kv = kv_shape(loaded.config, element)
+        # The engine's scheduler grows each sequence's room in the budget before its tokens.
+        memory = None if kv is None else KvAccount(self.budget, kv, str(loaded.name))
+        engine = Engine(loaded, self.config.engine, cache, memory).start()
         slot.engine = engine
         slot.runtime = ModelRuntime(loaded, engine, self.config, self.metrics, cache,
                                     self.budget, kv)

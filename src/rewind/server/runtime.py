@@ -27,7 +27,7 @@ from rewind.server.chat_format import ChatFormatter, ChatPrompt
 from rewind.server.errors import ApiError, bad_request
 from rewind.models.catalog import context_length
 from rewind.models.memory_estimate import KvShape
-from rewind.server.memory_budget import MemoryBudget
+from rewind.server.memory_budget import MemoryBudget, admit
 from rewind.server.metrics import ServerMetrics
 from rewind.server.request_context import client_disconnected, track_ticket
 from rewind.server.tool_parsing import OutputFormat
@@ -168,10 +168,11 @@ class ModelRuntime:
     def submit(self, tokens: list[int], params: SamplingParams,
                checkpoints: list[int] | None = None, image_prompt: Any = None,
                salt: str = "", grammar: str | None = None,
-               speculative: bool | None = None) -> RequestHandle:
+               speculative: bool | None = None, memory_ticket: Any = None) -> RequestHandle:
         """Queue a generation; `salt` keeps its cached prefixes apart from other tenants';
         `grammar` constrains its answer (rewind.server.structured); `speculative=False` keeps it
-        out of speculative decoding."""
+        out of speculative decoding; `memory_ticket` is its prompt's room in the memory budget
+        (submit_async), which the engine grows and gives back."""
         self.check_prompt_length(len(tokens))
         request = GenerationRequest(prompt_tokens=tokens, params=params,
                                     checkpoints=sorted(set(checkpoints or [])), grammar=grammar,
@@ -182,7 +183,7 @@ class ModelRuntime:
             extras = request.extras or BlockExtras()
             request.extras = dataclasses.replace(extras, salt=salt)
         try:
-            handle = self.engine.submit(request)
+            handle = self.engine.submit(request, memory_ticket=memory_ticket)
         except QueueFullError as exc:
             retry = max(1, round(exc.retry_after_seconds))
             raise ApiError(429, "rate_limit", str(exc), code="queue_full",
@@ -209,11 +210,12 @@ class ModelRuntime:
         self.check_prompt_length(len(tokens))
         ticket = None
         if self.budget is not None and self.kv is not None:
-            ticket = await self.budget.admit(self.kv, len(tokens) + 1, self.model_id,
-                                             client_disconnected)
+            ticket = await admit(self.budget, self.kv, len(tokens) + 1, self.model_id,
+                                 client_disconnected)
 
             track_ticket(ticket)
         try:
+            kwargs["memory_ticket"] = ticket
             if kwargs.get("grammar") is None:
                 handle = self.submit(tokens, *args, **kwargs)
             else:
@@ -222,7 +224,6 @@ class ModelRuntime:
             if ticket is not None:
                 ticket.release()
             raise
-        handle.memory_ticket = ticket  # type: ignore[attr-defined]  # read by Generation
         return handle
 
     def healthy(self) -> bool:

@@ -4,7 +4,6 @@ tool calls), cancelled when the client goes away, counted in the metrics when it
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -63,11 +62,15 @@ class Generation:
         self.keep_tokens = keep_tokens
         self.token_events: list[TokenEvent] = []
         self.finish: FinishEvent | None = None
-        # The memory budget's share of this sequence (rewind.server.memory_budget.Ticket).
-        self.ticket = getattr(handle, "memory_ticket", None)
-        self.cut_reason: str | None = None  # set when the memory guard ends it
         self._watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         self._turn = _begin_turn(runtime, api, request, handle)
+
+    @property
+    def cut_reason(self) -> str | None:
+        """Why the engine cut the answer short of its max_tokens (the memory budget), if it
+        did: a "length" finish that carries a reason."""
+        finish = self.finish
+        return finish.error if finish is not None and finish.reason == "length" else None
 
     @property
     def usage(self) -> Usage:
@@ -109,14 +112,9 @@ class Generation:
                 if isinstance(event, TokenEvent):
                     if self.keep_tokens:
                         self.token_events.append(event)
-                    self._guard()
                     for piece in self.splitter.feed(event.text):
                         yield piece
                 else:
-                    if self.cut_reason is not None and event.reason == "cancelled":
-                        # Ended by the memory guard, not by the client: a cut, like max_tokens.
-                        event = dataclasses.replace(event, reason="length",
-                                                    error=self.cut_reason)
                     self.finish = event
                     for piece in self.splitter.finish():
                         yield piece
@@ -124,23 +122,11 @@ class Generation:
             pump.cancel()
             self._watcher.cancel()
             self.handle.cancel()  # a no-op once finished; frees the slot when we stop early
-            if self.ticket is not None:
-                self.ticket.release()
             outcome = self.finish.reason if self.finish is not None else "cancelled"
             self.runtime.metrics.on_finish(self.api, outcome, self.usage)
             if self._turn is not None:
                 book, start = self._turn
                 book.finish(start, outcome, self.usage)
-
-    def _guard(self) -> None:
-        """One more token in the sequence's cache: end it ("length") if that would cross the
-        memory budget. The engine frees its slot at its next step."""
-        if self.ticket is None or self.cut_reason is not None or self.ticket.grow(1):
-            return
-        self.cut_reason = (f"memory budget: this sequence's cache ({self.ticket.tokens} tokens) "
-                           "would cross --memory-budget")
-        log.warning("%s; ending it with finish_reason length", self.cut_reason)
-        self.handle.cancel()
 
     async def collect(self) -> list[Piece]:
         """The whole output; an engine error becomes a 500."""
