@@ -461,7 +461,7 @@ def bare_loop(runner: Any, loaded: Any, rows: int, prompt_tokens: int, vocab: in
     of MLX calls only: forward graph, argmax, async_eval, then read the previous tokens."""
     import mlx.core as mx
 
-    from rewind.bench.decode_scaling import make_prompts
+    from rewind.bench.decode_scaling_models import make_prompts
     from rewind.engine.runner import Segment
 
     batch = None
@@ -522,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
 
     import mlx.core as mx
 
-    from rewind.bench.decode_scaling import QUICK_SHAPES, SHAPES, build_model, eos_ids, make_prompts
+    from rewind.bench.decode_scaling_models import (QUICK_SHAPES, SHAPES, build_model, eos_ids,
+                                                    make_prompts)
     from rewind.bench.machine import _display_arg, command_line, machine_info
     from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
