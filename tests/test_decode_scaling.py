@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from rewind.bench import decode_scaling
-from rewind.bench.decode_scaling import StreamBytes, all_decoding_window, stagger_tokens
+from rewind.bench.decode_scaling_bound import StreamBytes
+from rewind.bench.decode_scaling_window import all_decoding_window, stagger_tokens
 
 
 def test_window_spans_from_the_last_first_token_to_the_first_last_token() -> None:

@@ -2,8 +2,8 @@
 
 MLX has no kernel timeline on CUDA (no Metal capture, and Nsight Systems does not run on the
 lent machines), but PyTorch's profiler records every kernel of the process through CUPTI, MLX's
-included, with its name and its device-side start and duration. Used by
-rewind.bench.decode_profile and the developer probe benchmarks/probes/decode_kernels.py.
+included, with its name and its device-side start and duration. Used by the developer probes
+benchmarks/probes/decode_profile.py and benchmarks/probes/decode_kernels.py.
 
 Import this before mlx: torch's CUDA libraries must load first. Without a CUDA torch, PROFILE is
 None and the trace functions run their argument untraced.

@@ -16,7 +16,6 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "model-forms": ("rewind.bench.model_forms", "stored forms of the default model: size, perplexity, speed"),
     "perplexity": ("rewind.bench.perplexity", "perplexity of the default GGUF per CPU weight form, vs llama.cpp's llama-perplexity"),
     "decode-scaling": ("rewind.bench.decode_scaling", "decode tok/s at 1/8/32 streams: engine, HTTP, mlx-lm BatchGenerator, HBM bound (random 1B-class models)"),
-    "decode-profile": ("rewind.bench.decode_profile", "where a decode step's host time goes at 1 and 32 streams (timers, cProfile, CUPTI trace; best run as python -m rewind.bench.decode_profile)"),
     "prompt-cache": ("rewind.bench.prompt_cache_bench", "agent session with reasoning dropped: cache vs none"),
     "disk-tier": ("rewind.bench.disk_tier", "scratch-file store write and restore speed"),
     "agentic": ("rewind.bench.agentic", "S agent sessions x T turns, side by side on each server"),
@@ -39,8 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench", help="run a benchmark; results go to benchmarks/results/",
         description=f"workloads:\n{listing}\n\n`rewind bench WORKLOAD --help` shows a workload's options.\n"
-                    "Developer probes (kernels, KV append, stored forms' speed, verification cost) are\n"
-                    "scripts in the repository's benchmarks/probes/, run as python benchmarks/probes/X.py.",
+                    "Developer probes (kernels, a decode step's profile, KV append, stored forms' speed,\n"
+                    "verification cost) are scripts in the repository's benchmarks/probes/, run as\n"
+                    "python benchmarks/probes/X.py.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=sorted(WORKLOADS), metavar="WORKLOAD")
     parser.add_argument("workload_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -2,10 +2,12 @@
 engine, all N streams decoding, on a random-weight model as `rewind bench decode-scaling` builds
 it (Llama-3.2-1B shape by default), at 1 and 32 streams.
 
-Run it as its own process, so that torch (when the machine has a CUDA one) is imported before
-MLX and its profiler can record MLX's kernels through CUPTI:
+A developer probe, not a `rewind bench` workload: run it from the repository root with Rewind
+importable, as its own process, so that torch (when the machine has a CUDA one) is imported
+before MLX and its profiler can record MLX's kernels through CUPTI:
 
-    python -m rewind.bench.decode_profile --json benchmarks/results/gpu/decode-step-profile.json
+    PYTHONPATH=src python benchmarks/probes/decode_profile.py \
+        --json benchmarks/results/gpu/decode-step-profile.json
 
 Four passes per stream count, each over steps where every row decodes and nothing prefills,
 on the same running requests (consumed by asyncio tasks, as the HTTP routes consume them):
@@ -48,6 +50,7 @@ from typing import Any
 from rewind.bench.cupti_trace import (  # torch before mlx
     PROFILE, busy_us, top_kernels, trace_events)
 
+PROG = "benchmarks/probes/decode_profile.py"
 RESULTS = Path("benchmarks/results/gpu")
 # Exclusive pieces of a step, in the order of the report; `scheduler_python` is the rest.
 PIECES = {
@@ -458,7 +461,7 @@ def bare_loop(runner: Any, loaded: Any, rows: int, prompt_tokens: int, vocab: in
     of MLX calls only: forward graph, argmax, async_eval, then read the previous tokens."""
     import mlx.core as mx
 
-    from rewind.bench.decode_scaling import make_prompts
+    from rewind.bench.decode_scaling_models import make_prompts
     from rewind.engine.runner import Segment
 
     batch = None
@@ -519,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
 
     import mlx.core as mx
 
-    from rewind.bench.decode_scaling import QUICK_SHAPES, SHAPES, build_model, eos_ids, make_prompts
+    from rewind.bench.decode_scaling_models import (QUICK_SHAPES, SHAPES, build_model, eos_ids,
+                                                    make_prompts)
     from rewind.bench.machine import _display_arg, command_line, machine_info
     from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
@@ -529,9 +533,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = {**SHAPES, **QUICK_SHAPES}
     family, overrides = shapes[args.model]
     command = command_line()
-    if sys.argv and sys.argv[0].endswith("decode_profile.py"):  # python -m rewind.bench...
-        command = " ".join(["python -m rewind.bench.decode_profile",
-                            *(_display_arg(a) for a in sys.argv[1:])])
+    if sys.argv and sys.argv[0].endswith("decode_profile.py"):  # run as a script, not by a test
+        command = " ".join([f"python {PROG}", *(_display_arg(a) for a in sys.argv[1:])])
     report: dict[str, Any] = {"command": command, "commit": args.commit,
                               "model": args.model, "family": family,
                               "prompt_tokens": args.prompt_tokens,
@@ -664,7 +667,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python {PROG}", description=__doc__.splitlines()[0])
     register(parser)
     return run(parser.parse_args(argv))
 
