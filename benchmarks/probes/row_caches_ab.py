@@ -3,7 +3,7 @@ rows' own caches (`RowCaches`, what the engine runs: each row its own segment of
 pass) against one merged batch cache (what it ran before, and what GPUs run).
 
     PYTHONPATH=src LD_PRELOAD=$(python -m rewind.blas --preload-value) \
-        python scripts/row_caches_ab.py CONTEXT ROWS
+        python benchmarks/probes/row_caches_ab.py CONTEXT ROWS
 
 Prints the median step time of each, twice, alternating.
 """

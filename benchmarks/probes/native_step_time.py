@@ -1,7 +1,7 @@
 """Time one native-forward decode step of a tiny random Gemma 3 with 18 layers (the default
 model's depth): the Python cost around the kernels per step, e.g. the boundary's checks.
 
-    .venv/bin/python scripts/native_step_time.py      # best of 5 x 100 steps, in microseconds
+    .venv/bin/python benchmarks/probes/native_step_time.py      # best of 5 x 100 steps, in microseconds
 """
 
 from __future__ import annotations
