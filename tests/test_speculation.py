@@ -261,3 +261,60 @@ def test_serve_refuses_an_unknown_mode():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "invalid choice: 'eagle'" in out.stderr
+
+
+def _chi_square_p_above(table: list[list[int]], alpha: float) -> bool:
+    """Whether a two-sample chi-square test of homogeneity on `table` (2 rows of category
+    counts) keeps the hypothesis of one distribution at level `alpha`: the statistic against
+    the chi-square quantile (Wilson-Hilferty's approximation, within 1% here)."""
+    from statistics import NormalDist
+
+    columns = [c for c in range(len(table[0])) if table[0][c] + table[1][c] > 0]
+    rows = [sum(row[c] for c in columns) for row in table]
+    total = sum(rows)
+    statistic = 0.0
+    for c in columns:
+        column = table[0][c] + table[1][c]
+        for r in range(2):
+            expected = rows[r] * column / total
+            statistic += (table[r][c] - expected) ** 2 / expected
+    df = len(columns) - 1
+    if df < 1:
+        return True
+    z = NormalDist().inv_cdf(1 - alpha)
+    quantile = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    return statistic <= quantile
+
+
+def test_sampled_answers_keep_their_distribution(tiny_loaded):
+    """Seeds apart, so not the same draws: 320 answers sampled with speculation and 320 without,
+    from a few candidates a position (top_k 3, a small vocabulary), on a prompt that repeats
+    itself so rows draft and keep drafts. At every position the tokens drawn follow one
+    distribution (chi-square, alpha 0.001). A verifier that kept drafted tokens more often than
+    the model draws them would fail here: the repeats are what the drafts propose."""
+    loaded = tiny_loaded("llama")
+    rng = random.Random(3)
+    motif = [rng.randrange(10, 400) for _ in range(24)]
+    prompt = motif * 6
+    positions, count = 8, 320
+    drawn: dict[str, list[list[int]]] = {}
+    accepted = 0
+    for mode, first_seed in (("suffix", 0), ("off", 10_000)):
+        done = []
+        with Engine(loaded, EngineConfig(parallel=8, speculative=mode)) as engine:
+            eos = {int(t): -100.0 for t in engine.eos_token_ids}
+            # In waves of a batch: rows draft in steps that carry no prompt (the policy).
+            for wave in range(0, count, 8):
+                handles = [engine.submit(GenerationRequest(prompt, SamplingParams(
+                    temperature=0.7, top_k=3, seed=first_seed + i, max_tokens=positions,
+                    logit_bias=eos))) for i in range(wave, wave + 8)]
+                done += [handle.collect(TIMEOUT) for handle in handles]
+        drawn[mode] = [d.tokens for d in done]
+        if mode == "suffix":
+            accepted = sum(d.finish.usage.accepted_tokens for d in done)
+    assert accepted > count  # the rows did draft, and kept drafts
+    for position in range(positions):
+        tokens = sorted({t[position] for mode in drawn for t in drawn[mode]})
+        table = [[sum(1 for t in drawn[mode] if t[position] == token) for token in tokens]
+                 for mode in ("suffix", "off")]
+        assert _chi_square_p_above(table, 0.001), (position, tokens, table)
