@@ -217,7 +217,7 @@ def test_openai_data_url_image_through_the_live_server(vision, tmp_path, monkeyp
         seen: list[GenerationRequest] = []
         submit = engine.submit
         monkeypatch.setattr(engine, "submit",
-                            lambda request: seen.append(request) or submit(request))
+                            lambda request, **kw: seen.append(request) or submit(request, **kw))
         text_only = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "What is in this picture?"}],
             **GREEDY)

@@ -32,7 +32,8 @@ def test_openai_image_prompt_on_mistral3_and_its_repeat_from_the_cache(live, mon
     client, model, engine = live
     seen = []
     submit = engine.submit
-    monkeypatch.setattr(engine, "submit", lambda request: seen.append(request) or submit(request))
+    monkeypatch.setattr(engine, "submit",
+                        lambda request, **kw: seen.append(request) or submit(request, **kw))
     text_only = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "What is in this picture?"}], **GREEDY)
     first = client.chat.completions.create(model=model, messages=user_with_image(1), **GREEDY)

@@ -54,7 +54,8 @@ def test_the_server_hands_the_engine_3d_positions(live, model_type, monkeypatch)
     client, model, engine = live
     seen = []
     submit = engine.submit
-    monkeypatch.setattr(engine, "submit", lambda request: seen.append(request) or submit(request))
+    monkeypatch.setattr(engine, "submit",
+                        lambda request, **kw: seen.append(request) or submit(request, **kw))
     client.chat.completions.create(model=model, messages=user_with_image(4), **GREEDY)
     (request,) = seen
     rows = np.array(request.positions(0, len(request.prompt_tokens)))[:, 0]

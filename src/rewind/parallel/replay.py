@@ -48,7 +48,10 @@ class LeaderEngine(Engine):
         # set only when a plan carries the cancellation.
         self._live: dict[str, tuple[Sequence, threading.Event]] = {}
 
-    def submit(self, request: GenerationRequest) -> Any:
+    def submit(self, request: GenerationRequest, memory_ticket: Any = None) -> Any:
+        """`memory_ticket` stays with the server's request (it gives it back at the request's
+        end) and is not grown here: a row cut by the budget on rank 0 alone would leave the
+        other ranks stepping a batch rank 0 no longer has."""
         check_replayable(request)
         if request.params.seed is None:  # the same draws on every rank
             request = dataclasses.replace(
