@@ -82,20 +82,22 @@ def test_each_type_matches_the_gguf_dequantizer(name: str) -> None:
 
 @pytest.mark.parametrize("name", TYPES)
 def test_builds_agree(name: str) -> None:
-    """The int8 products are exact integers in every build (vpmaddubsw or vpdpbusd): the two
-    AVX-512 builds (two blocks a vector) agree to the bit, and with AVX2 (one block a vector)
-    up to the float order of the scaled sums."""
+    """The int8 products are exact integers in every build and path: the two AVX-512 builds
+    agree to the bit (one unpacks the stored blocks for any number of rows; with VNNI, more
+    than four rows go through strips, and AMX where the CPU has it), and with AVX2 up to the
+    float order of the scaled sums."""
     rng = np.random.default_rng(11)
     cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 96  # odd blocks
     blocks = random_blocks(name, 40, cols, rng)
     matrix = MatrixArgs.build(blocks, native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
-    x = rng.standard_normal((3, cols)).astype(np.float32)
-    results = {isa: product(isa, matrix, x) for isa in ISAS}
-    if "avx512" in results and "avx512vnni" in results:
-        np.testing.assert_array_equal(results["avx512"], results["avx512vnni"])
-    for result in results.values():
-        np.testing.assert_allclose(result, results["avx2"], rtol=1e-5,
-                                   atol=1e-5 * np.abs(results["avx2"]).max())
+    for m in (3, 21):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        results = {isa: product(isa, matrix, x) for isa in ISAS}
+        if "avx512" in results and "avx512vnni" in results:
+            np.testing.assert_array_equal(results["avx512"], results["avx512vnni"])
+        for result in results.values():
+            np.testing.assert_allclose(result, results["avx2"], rtol=1e-5,
+                                       atol=1e-5 * np.abs(results["avx2"]).max())
 
 
 def test_stacked_parts_of_different_forms_with_a_bias() -> None:
@@ -154,16 +156,32 @@ def test_bad_calls_raise_before_reading() -> None:
 @pytest.mark.parametrize("name", TYPES)
 def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
     """The engine batches a prompt's rows with other requests' rows and relies on each row's
-    result not depending on its neighbours (cached against uncached, batched against alone):
-    every tile shape runs the same operations per pair of rows, and seven rows (more than one
-    tile of activation rows) read the 32-value types' blocks unpacked ahead, one row the
-    stored blocks."""
+    result not depending on its neighbours (cached against uncached, batched against alone).
+    One row reads the stored blocks; 3 a tile of them; 7 and 37 (more than two AMX tiles of
+    16, the last one part-filled) read strips on the VNNI build, through AMX where the CPU
+    has it and through broadcast vpdpbusd with AMX off."""
     rng = np.random.default_rng(13)
     cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 96
     matrix = MatrixArgs.build(random_blocks(name, 37, cols, rng),
                               native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
-    x = rng.standard_normal((7, cols)).astype(np.float32)
+    x = rng.standard_normal((37, cols)).astype(np.float32)
     for isa in ISAS:
-        together = product(isa, matrix, x)
-        for row in range(7):
-            np.testing.assert_array_equal(product(isa, matrix, x[row:row + 1]), together[row:row + 1])
+        alone = np.concatenate([product(isa, matrix, x[row:row + 1]) for row in range(37)])
+        for m in (3, 7, 37):
+            np.testing.assert_array_equal(product(isa, matrix, x[:m]), alone[:m], err_msg=f"{isa} {m}")
+        lib = native.load_isa(isa)
+        if native.amx_in_use(lib):
+            native.set_amx(lib, False)
+            try:
+                np.testing.assert_array_equal(product(isa, matrix, x), alone, err_msg="AMX off")
+            finally:
+                native.set_amx(lib, True)
+
+
+@pytest.mark.skipif("avx512vnni" not in ISAS or not native.set_amx(native.load_isa("avx512vnni"), True),
+                    reason="needs a CPU with AMX-INT8 (Sapphire Rapids or later) and Linux's permission")
+def test_amx_is_on_where_the_cpu_has_it_and_off_when_asked() -> None:
+    lib = native.load_isa("avx512vnni")
+    assert native.amx_in_use(lib)
+    assert not native.set_amx(lib, False) and not native.amx_in_use(lib)
+    assert native.set_amx(lib, True)

@@ -27,6 +27,7 @@ int main(int argc, char **argv) {
   if (type == 8) for (int64_t i = 0; i < rows * bpr; i += 34) { W[i] = 0; W[i + 1] = 0x20; }
   float *x = malloc(m * in * 4), *y = malloc(m * rows * 4);
   for (int64_t i = 0; i < m * in; ++i) x[i] = (float)rand() / RAND_MAX - 0.5f;
+  if (getenv("AMX")) printf("amx %d\n", quant_amx(atoi(getenv("AMX"))));
   QPart part = {W, type, 0, rows};
   for (int i = 0; i < 3; ++i) qmatvec_parts(&part, 1, x, y, rows, in, m, threads);
   int N = 20; double t = now();

@@ -77,6 +77,9 @@ GATED_DELTA = Var("REWIND_GATED_DELTA",
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
+NO_AMX = Var("REWIND_NO_AMX", "1: leave AMX tiles unused in the C kernels' prefill products "
+             "(they give the same bits; a comparison, or a machine whose AMX misbehaves)",
+             ("0", "1"))
 KERNEL_ISA = Var("REWIND_KERNEL_ISA", "the C kernels' build: avx2, avx512 or avx512vnni (default: "
                  "the widest this CPU runs)", ("avx2", "avx512", "avx512vnni"))
 # scripts/sanitize.sh sets it with the sanitizer's runtime preloaded (a sanitized library does not
@@ -102,7 +105,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, FAST_GELU,
-                        NO_AVX512, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
+                        NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
 
@@ -148,6 +151,10 @@ def fast_gelu() -> bool:
 
 def no_avx512() -> bool:
     return NO_AVX512.get() == "1"
+
+
+def no_amx() -> bool:
+    return NO_AMX.get() == "1"
 
 
 def kernel_isa() -> str | None:

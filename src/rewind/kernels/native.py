@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 NATIVE = Path(__file__).resolve().parent / "c"  # the C sources, beside this package
 SOURCES = (NATIVE / "pool.c", NATIVE / "cpu_kernels.c", NATIVE / "quant.c", NATIVE / "attention.c",
            NATIVE / "gated_delta.c")
-HEADERS = (NATIVE / "simd.h", NATIVE / "quant.h")
+HEADERS = (NATIVE / "simd.h", NATIVE / "quant.h", NATIVE / "quant512.h")
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
@@ -189,7 +189,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rows_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.attention.argtypes = [ctypes.POINTER(Attention)]
     lib.gated_delta.argtypes = [ctypes.POINTER(GatedDelta)]
-    for name in ("matrix_product", "dequantize_rows", "layer_pre", "layer_post",
+    lib.quant_amx.argtypes = [ctypes.c_int]
+    for name in ("quant_amx", "matrix_product", "dequantize_rows", "layer_pre", "layer_post",
                  "rows_rms_norm", "attention", "gated_delta"):
         getattr(lib, name).restype = ctypes.c_int
 
@@ -240,7 +241,20 @@ def load_isa(isa: str) -> ctypes.CDLL | None:
         log.warning("native CPU kernels: loading %s failed: %s", library, exc)
         return None
     _declare(lib)
+    lib.quant_amx(0 if env.no_amx() else 1)
     return lib
+
+
+def amx_in_use(lib: ctypes.CDLL) -> bool:
+    """Whether `lib`'s prefill products use AMX tiles (AVX512-VNNI build, an AMX-INT8 CPU,
+    Linux's permission, and REWIND_NO_AMX unset)."""
+    return bool(lib.quant_amx(-1))
+
+
+def set_amx(lib: ctypes.CDLL, wanted: bool) -> bool:
+    """Turns `lib`'s AMX products on or off (they give the same bits either way); returns
+    whether they are on."""
+    return bool(lib.quant_amx(int(wanted)))
 
 
 def int8_rows(weight: Any, chunk_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:

@@ -178,10 +178,8 @@ static void quantize_q8k(const float *x, ActQ8K *out, int64_t blocks) {
 /* ---- tiles of weight rows against activation rows ----------------------------------------- */
 
 #define NR_MAX 4 /* activation rows a tile takes */
-#ifdef __AVX512F__
-#define NW_TILE 4 /* weight rows a tile takes: 32 vector registers hold a 4 x 4 tile */
-#else
-#define NW_TILE 2 /* 16 registers: 2 x 4 */
+#ifndef __AVX512F__
+#define NW_TILE 2 /* weight rows a tile takes: 16 registers hold a 2 x 4 tile */
 #endif
 
 /* The 32-value types: a block unpacks to 32 weights, a float scale and, for the _1 types, a
@@ -238,6 +236,7 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
 
+#ifndef __AVX512F__ /* AVX2's tiles (the AVX-512 builds' products are in quant512.h) */
 /* A tile of NW weight rows (`wstride` bytes apart) against NR activation rows (`astride` apart):
    each weight block is unpacked once for the NR rows, each activation block loaded once for
    the NW rows. Every (weight row, activation row) pair runs the same operations in the same
@@ -279,118 +278,7 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
       for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = hsum256(acc[i][r]) + mins[i][r];         \
   }
 
-#ifdef __AVX512F__
-/* AVX-512: two blocks a vector (64 weights), so the int8 products, their conversion and the
-   scaled accumulation take half the instructions; an odd last block goes through 256 bits. */
-static inline __m512i join2(__m256i lo, __m256i hi) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-static inline __m512i dot2_u8s8(__m512i acc, __m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
-}
-/* The fp16 words at `first` and at `first` + `apart` words, widened to floats in lanes 0-7 and
-   8-15: two blocks' scales (or mins) in one masked load (nothing read beyond the two words), a
-   word permute and one conversion, where two scalar loads, conversions and broadcasts cost
-   three times the shuffles (the m = 1 product was bound by them). */
-static inline __m512 pair_halves(const uint8_t *first, int apart) {
-  const __m512i words = _mm512_maskz_loadu_epi16((__mmask32)(1u | 1u << apart), first);
-  const __m256i spread = _mm256_blend_epi32(_mm256_setzero_si256(),
-                                            _mm256_set1_epi16((short)apart), 0xF0);
-  return _mm512_cvtph_ps(_mm512_castsi512_si256(
-      _mm512_permutexvar_epi16(_mm512_castsi256_si512(spread), words)));
-}
-/* The float words at `first` and `apart` floats on, in lanes 0-7 and 8-15 (two activation
-   blocks' scales). */
-static inline __m512 pair_floats(const float *first, int apart) {
-  const __m512 both = _mm512_maskz_loadu_ps((__mmask16)(1u | 1u << apart), first);
-  const __m512i spread = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(apart), 1);
-  return _mm512_permutexvar_ps(spread, both);
-}
-
-/* Two blocks' scales in lanes 0-7 and 8-15, from the stored fp16 or a Pre32's float. */
-#define STORED_SCALES(NAME, BLOCK)                                                              \
-  static inline __m512 pair_scales_##NAME(const uint8_t *row) {                                 \
-    return pair_halves(row, (int)sizeof(BLOCK) / 2);                                            \
-  }
-#define PRE_SCALES(NAME)                                                                        \
-  static inline __m512 pair_scales_##NAME(const uint8_t *row) {                                 \
-    return pair_floats((const float *)(row + QK), (int)(sizeof(Pre32) / sizeof(float)));       \
-  }
-STORED_SCALES(q8_0, BlockQ8_0) STORED_SCALES(q4_0, BlockQ4_0) STORED_SCALES(q5_0, BlockQ5_0)
-STORED_SCALES(q4_1, BlockQ4_1) STORED_SCALES(q5_1, BlockQ5_1)
-PRE_SCALES(pre_q4_0) PRE_SCALES(pre_q5_0) PRE_SCALES(pre_q4_1) PRE_SCALES(pre_q5_1)
-
-/* a with w's sign (zero where w is: |w| is zero there too). */
-static inline __m512i sign2(__m512i a, __m512i w) {
-  return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a);
-}
-
-#define DEFINE_TILE32_WIDE(NAME, BLOCK, ZERO, SIGNED, HAS_MIN, NW, NR)                           \
-  static void tile_##NAME##_##NW##x##NR(const uint8_t *w, int64_t wstride, const uint8_t *a,   \
-                                        int64_t astride, int64_t blocks, float *out) {          \
-    __m512 acc[NW][NR];                                                                         \
-    float mins[NW][NR];                                                                         \
-    for (int i = 0; i < NW; ++i)                                                                \
-      for (int r = 0; r < NR; ++r) { acc[i][r] = _mm512_setzero_ps(); mins[i][r] = 0.f; }       \
-    int64_t b = 0;                                                                              \
-    for (; b + 1 < blocks; b += 2) {                                                            \
-      __m512i q[NW], mag[NW];                                                                   \
-      __m512 dw[NW];                                                                            \
-      float m0[NW], m1[NW];                                                                     \
-      for (int i = 0; i < NW; ++i) {                                                            \
-        const uint8_t *row = w + i * wstride + b * (int64_t)sizeof(BLOCK);                      \
-        prefetch_ahead(row + PREFETCH_TILES * NW * wstride, 2 * sizeof(BLOCK));                 \
-        Unpacked32 u0 = unpack_##NAME(row), u1 = unpack_##NAME(row + sizeof(BLOCK));            \
-        q[i] = join2(u0.q, u1.q);                                                               \
-        mag[i] = SIGNED ? _mm512_abs_epi8(q[i]) : q[i];                                         \
-        dw[i] = pair_scales_##NAME(row);                                                        \
-        m0[i] = u0.m;                                                                           \
-        m1[i] = u1.m;                                                                           \
-      }                                                                                         \
-      for (int r = 0; r < NR; ++r) {                                                            \
-        const ActQ8 *x = (const ActQ8 *)(a + r * astride) + b;                                  \
-        const __m512i xa = join2(load32(x[0].qs), load32(x[1].qs));                            \
-        const __m512i init = join2(_mm256_setr_epi32(-(ZERO) * x[0].sum, 0, 0, 0, 0, 0, 0, 0),  \
-                                   _mm256_setr_epi32(-(ZERO) * x[1].sum, 0, 0, 0, 0, 0, 0, 0)); \
-        const __m512 dx = pair_floats(&x[0].d, (int)(sizeof(ActQ8) / sizeof(float)));          \
-        for (int i = 0; i < NW; ++i) {                                                          \
-          __m512i p = SIGNED ? dot2_u8s8(_mm512_setzero_si512(), mag[i], sign2(xa, q[i]))       \
-                             : dot2_u8s8(init, mag[i], xa);                                     \
-          acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(p), acc[i][r]); \
-          if (HAS_MIN) {                                                                        \
-            mins[i][r] += m0[i] * x[0].d * (float)x[0].sum;                                     \
-            mins[i][r] += m1[i] * x[1].d * (float)x[1].sum;                                     \
-          }                                                                                     \
-        }                                                                                       \
-      }                                                                                         \
-    }                                                                                           \
-    for (int i = 0; i < NW; ++i)                                                                \
-      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] = _mm512_reduce_add_ps(acc[i][r]);       \
-    if (b < blocks) { /* the odd last block */                                                  \
-      for (int i = 0; i < NW; ++i) {                                                            \
-        Unpacked32 u = unpack_##NAME(w + i * wstride + b * (int64_t)sizeof(BLOCK));             \
-        __m256i magnitude = SIGNED ? _mm256_sign_epi8(u.q, u.q) : u.q;                          \
-        for (int r = 0; r < NR; ++r) {                                                          \
-          const ActQ8 *x = (const ActQ8 *)(a + r * astride) + b;                                \
-          const __m256i xa = load32(x->qs);                                                     \
-          __m256i p = SIGNED ? dot_u8s8(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(xa, u.q)) \
-                             : dot_u8s8(_mm256_setr_epi32(-(ZERO) * x->sum, 0, 0, 0, 0, 0, 0, 0), \
-                                        magnitude, xa);                                         \
-          out[i * NR_MAX + r] += hsum256(_mm256_mul_ps(_mm256_set1_ps(u.d * x->d), _mm256_cvtepi32_ps(p))); \
-          if (HAS_MIN) mins[i][r] += u.m * x->d * (float)x->sum;                                \
-        }                                                                                       \
-      }                                                                                         \
-    }                                                                                           \
-    for (int i = 0; i < NW; ++i)                                                                \
-      for (int r = 0; r < NR; ++r) out[i * NR_MAX + r] += mins[i][r];                           \
-  }
-#undef DEFINE_TILE32
-#define DEFINE_TILE32 DEFINE_TILE32_WIDE
-#endif
+#endif /* AVX2's 32-value tiles */
 
 /* The k-quants: a super-block unpacks to 8 x 32 weights (unsigned), an int16 scale for each
    32 (Q4_K / Q5_K: one per 32; Q6_K: one per 16, so each vector holds two), and the min
@@ -472,6 +360,7 @@ static inline void unpack_q6_k(const void *p, UnpackedK *u) {
   u->d = u->dmin = fp16(b->d);
 }
 
+#ifndef __AVX512F__
 #define DEFINE_TILE_K(NAME, BLOCK, NW, NR)                                                      \
   static void tile_##NAME##_##NW##x##NR(const uint8_t *w, int64_t wstride, const uint8_t *a,   \
                                         int64_t astride, int64_t blocks, float *out) {          \
@@ -554,6 +443,7 @@ static const TileFn (*tiles_for(int type))[NR_MAX] {
     default: return NULL;
   }
 }
+#endif /* AVX2's tiles */
 
 /* Rows [0, rows) of stored blocks (`wstride` bytes apart) unpacked into Pre32 [rows][blocks]. */
 typedef void (*PreUnpackFn)(const uint8_t *w, int64_t wstride, int64_t rows, int64_t blocks,
@@ -586,6 +476,7 @@ static PreUnpackFn pre_unpack_for(int type) {
     default: return NULL;
   }
 }
+#ifndef __AVX512F__
 static const TileFn (*pre_tiles_for(int type))[NR_MAX] {
   switch (type) {
     case GGML_Q4_0: return tiles_pre_q4_0;
@@ -595,6 +486,7 @@ static const TileFn (*pre_tiles_for(int type))[NR_MAX] {
     default: return NULL;
   }
 }
+#endif
 
 /* ---- the threaded product ---------------------------------------------------------------- */
 
@@ -620,18 +512,25 @@ static void quantize_block(const void *arg, int64_t claim) {
 
 typedef struct {
   const uint8_t *W, *xq; /* the part's weights; its kind of activation rows */
-  const TileFn (*tiles)[NR_MAX];
+  int type;
   int64_t first, count, claims_before; /* output rows [first, first + count); claims of earlier parts */
   int64_t row_bytes, xq_row_bytes, blocks;
   PreUnpackFn pre_unpack; /* NULL: the tiles read the stored blocks */
+#ifndef __AVX512F__
+  const TileFn (*tiles)[NR_MAX];
   const TileFn (*pre_tiles)[NR_MAX];
+#endif
 } QJobPart;
 
 typedef struct {
   QJobPart parts[QMAX_PARTS];
   int nparts;
   float *y;
-  int64_t ldy, m;
+  int64_t ldy, m, in;
+  /* AVX512-VNNI: prefill rows go through strips (quant512.h), reading the activations as
+     unsigned bytes (x + 128), padded to a multiple of 16 rows: xs for Q8_0, xsk for Q8_K. */
+  int strips;
+  const uint8_t *xs, *xsk;
 } QJob;
 
 #define Q_ROWS_PER_CLAIM 32
@@ -654,6 +553,7 @@ static Pre32 *claim_strip(int64_t blocks) {
   return strip;
 }
 
+#ifndef __AVX512F__
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
   int p = j->nparts - 1;
@@ -689,6 +589,10 @@ static void qmatvec_block(const void *arg, int64_t claim) {
     }
   }
 }
+int quant_amx(int want) { (void)want; return 0; }
+#else
+#include "quant512.h"
+#endif
 
 /* Rows up to which the caller quantizes activations itself: a pool dispatch costs more. */
 #define QUANTIZE_INLINE_ROWS 4
@@ -704,13 +608,34 @@ static void quantize_rows(const float *x, uint8_t *xq, int64_t in, int64_t block
   }
 }
 
+#ifdef __AVX512VNNI__
+/* The activations as unsigned bytes (x + 128), rows [m16, in] with rows m and on zero. */
+static uint8_t *unsigned_rows(const uint8_t *xq, int64_t row_bytes, int64_t m, int64_t m16,
+                              int64_t in, int k_quant) {
+  uint8_t *xs = aligned_alloc(64, (size_t)((m16 * in + 63) / 64 * 64));
+  if (!xs) return NULL;
+  const int64_t per_block = k_quant ? QKK : QK, blocks = in / per_block;
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t *qs = k_quant ? ((const ActQ8K *)(xq + r * row_bytes))[b].qs
+                                 : ((const ActQ8 *)(xq + r * row_bytes))[b].qs;
+      for (int64_t k = 0; k < per_block; k += 32)
+        _mm256_storeu_si256((__m256i *)(xs + r * in + b * per_block + k),
+                            _mm256_xor_si256(load32(qs + k), flip));
+    }
+  memset(xs + m * in, 0, (size_t)((m16 - m) * in));
+  return xs;
+}
+#endif
+
 int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int64_t ldy,
                   int64_t in, int64_t m, int threads) {
   if (nparts < 1 || nparts > QMAX_PARTS || m < 1 || in < 1) return -1;
   int kinds[2] = {0, 0}; /* Q8 (32-value types), Q8_K (k-quants) */
   for (int p = 0; p < nparts; ++p) {
     const int64_t per_block = ggml_block_elements(parts[p].type);
-    if (!per_block || !tiles_for(parts[p].type) || in % per_block || parts[p].rows < 1 ||
+    if (!per_block || in % per_block || parts[p].rows < 1 ||
         parts[p].first < 0 || parts[p].first + parts[p].rows > ldy)
       return -1;
     kinds[is_k_quant(parts[p].type)] = 1;
@@ -722,18 +647,38 @@ int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int6
   uint8_t *q8 = xq, *q8k = xq + (kinds[0] ? m * q8_bytes : 0);
   if (kinds[0]) quantize_rows(x, q8, in, in / QK, sizeof(ActQ8), m, 0, threads);
   if (kinds[1]) quantize_rows(x, q8k, in, in / QKK, sizeof(ActQ8K), m, 1, threads);
-  QJob job = {.nparts = nparts, .y = y, .ldy = ldy, .m = m};
+  QJob job = {.nparts = nparts, .y = y, .ldy = ldy, .m = m, .in = in};
+  uint8_t *xs = NULL, *xsk = NULL;
+#ifdef __AVX512VNNI__
+  if (m > NR_MAX) {
+    const int64_t m16 = (m + 15) / 16 * 16;
+    xs = kinds[0] ? unsigned_rows(q8, q8_bytes, m, m16, in, 0) : NULL;
+    xsk = kinds[1] ? unsigned_rows(q8k, q8k_bytes, m, m16, in, 1) : NULL;
+    job.strips = (!kinds[0] || xs) && (!kinds[1] || xsk); /* else the stored blocks' path */
+    job.xs = xs;
+    job.xsk = xsk;
+  }
+#endif
   int64_t claims = 0;
   for (int p = 0; p < nparts; ++p) {
     const int k = is_k_quant(parts[p].type);
     const int64_t blocks = in / ggml_block_elements(parts[p].type);
-    job.parts[p] = (QJobPart){(const uint8_t *)parts[p].W, k ? q8k : q8, tiles_for(parts[p].type),
-                              parts[p].first, parts[p].rows, claims,
-                              blocks * ggml_block_bytes(parts[p].type), k ? q8k_bytes : q8_bytes,
-                              blocks, pre_unpack_for(parts[p].type), pre_tiles_for(parts[p].type)};
+    job.parts[p] = (QJobPart){.W = (const uint8_t *)parts[p].W, .xq = k ? q8k : q8,
+                              .type = parts[p].type, .first = parts[p].first,
+                              .count = parts[p].rows, .claims_before = claims,
+                              .row_bytes = blocks * ggml_block_bytes(parts[p].type),
+                              .xq_row_bytes = k ? q8k_bytes : q8_bytes, .blocks = blocks,
+                              .pre_unpack = pre_unpack_for(parts[p].type),
+#ifndef __AVX512F__
+                              .tiles = tiles_for(parts[p].type),
+                              .pre_tiles = pre_tiles_for(parts[p].type),
+#endif
+    };
     claims += (parts[p].rows + Q_ROWS_PER_CLAIM - 1) / Q_ROWS_PER_CLAIM;
   }
   run_blocks(qmatvec_block, &job, claims, threads);
+  free(xs);
+  free(xsk);
   free(xq);
   return 0;
 }

@@ -30,4 +30,9 @@ typedef struct {
 int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int64_t ldy,
                   int64_t in, int64_t m, int threads);
 
+/* AMX tiles for the products of prefill rows (quant512.h): on where want is 1, this build has
+   them (AVX512-VNNI), the CPU has AMX-INT8 and Linux grants the process tile data. Returns
+   whether they are on (want -1: only asks). Off until asked. */
+int quant_amx(int want);
+
 #endif
