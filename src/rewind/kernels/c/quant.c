@@ -15,8 +15,9 @@
 
    Every block layout and formula here follows ggml (ggml-quants.c, dequantize_row_* and
    ggml_vec_dot_*): tests/test_quant_kernels.py checks each type against the `gguf` package's
-   own dequantizer. The vector code is 256 bits wide in every build; the AVX-512 builds differ
-   only where VNNI replaces two instructions by one. */
+   own dequantizer. The AVX2 build's tiles below are 256 bits wide; the AVX-512 builds compute
+   every product with quant512.h's one formula over groups of 16 weight rows (strips, VNNI and
+   AMX for prefill rows), and agree with each other to the bit. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
