@@ -19,6 +19,7 @@
    every product with quant512.h's one formula over groups of 16 weight rows (strips, VNNI and
    AMX for prefill rows), and agree with each other to the bit. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
