@@ -107,6 +107,12 @@ def machine_info() -> dict[str, Any]:
         **code_version(),
     }
     try:
+        from rewind.kernels import native
+
+        info["cpu_kernels"] = native.kernels_summary()
+    except Exception:  # noqa: BLE001 - a report never fails on a fact it cannot read
+        info["cpu_kernels"] = None
+    try:
         import mlx.core as mx
 
         info["mlx_device"] = str(mx.default_device())

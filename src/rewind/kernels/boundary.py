@@ -248,6 +248,11 @@ class Kernels:
         self._library = library
         self.vector_width = vector_width  # float32 lanes of the build: head sizes must divide
 
+    @property
+    def uses_amx(self) -> bool:
+        """Whether prefill rows' GGUF products take AMX tiles here (native.amx_in_use)."""
+        return native.amx_in_use(self._library)
+
     def matvec(self, matrix: MatrixArgs, x: np.ndarray, out: np.ndarray,
                threads: int) -> None:
         """out [m, rows] = x [m, cols] @ weight.T (times the row scales) + bias, float32."""

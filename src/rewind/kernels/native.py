@@ -251,6 +251,17 @@ def amx_in_use(lib: ctypes.CDLL) -> bool:
     return bool(lib.quant_amx(-1))
 
 
+def kernels_summary() -> str | None:
+    """The kernel build this process would use and whether its prefill products would take
+    AMX tiles (from the CPU's flags and REWIND_NO_AMX, without loading anything), for reports;
+    None where no build runs here."""
+    isa = chosen_isa()
+    if isa is None:
+        return None
+    amx = isa == "avx512vnni" and "amx_int8" in _cpu_flags() and not env.no_amx()
+    return f"{isa}, AMX {'on' if amx else 'off'}"
+
+
 def set_amx(lib: ctypes.CDLL, wanted: bool) -> bool:
     """Turns `lib`'s AMX products on or off (they give the same bits either way); returns
     whether they are on."""

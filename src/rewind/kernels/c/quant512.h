@@ -403,17 +403,21 @@ typedef struct {
   uint8_t rows[16];
 } __attribute__((packed, aligned(64))) TileConfig;
 
-/* Tiles 0 (activations, 16 x `sub` bytes), 1 (weights, sub / 4 x 64 bytes), 2 (16 x 16 int32). */
+/* Two sets (0-2 and 3-5) of: activations (16 x `sub` bytes), weights (sub / 4 x 64 bytes) and
+   their 16 x 16 int32 products, so that one block's tile work runs while the vector unit
+   finishes the block before (one set made each block wait for the last one's epilogue). */
 AMX_TARGET static void amx_configure(int sub) {
   TileConfig c;
   memset(&c, 0, sizeof c);
   c.palette = 1;
-  c.rows[0] = AMX_ROWS;
-  c.colsb[0] = (uint16_t)sub;
-  c.rows[1] = (uint8_t)(sub / 4);
-  c.colsb[1] = 64;
-  c.rows[2] = AMX_ROWS;
-  c.colsb[2] = 64;
+  for (int set = 0; set < 6; set += 3) {
+    c.rows[set] = AMX_ROWS;
+    c.colsb[set] = (uint16_t)sub;
+    c.rows[set + 1] = (uint8_t)(sub / 4);
+    c.colsb[set + 1] = 64;
+    c.rows[set + 2] = AMX_ROWS;
+    c.colsb[set + 2] = 64;
+  }
   /* GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without the barrier the stores
      to the rest of the 64 may be dropped (a SIGILL at the first tile load). */
   __asm__ __volatile__("" : : "r"(&c) : "memory");
@@ -427,23 +431,34 @@ AMX_TARGET static void amx_release(void) { _tile_release(); }
 AMX_TARGET static void strip32_amx(const Strip32 *s, int nw, const StripActs *x, int64_t r0,
                                    int nr, int64_t blocks, int has_min, float *y, int64_t ldy) {
   __m512 acc[AMX_ROWS];
-  int32_t c[AMX_ROWS][GROUP] __attribute__((aligned(64)));
+  int32_t c[2][AMX_ROWS][GROUP] __attribute__((aligned(64)));
   for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t *xs = x->xs + r0 * x->in;
+/* Tile numbers are spelled into the instructions: one macro per set. */
+#define PRODUCT32(A, B, C, b)                                                                   \
+  do {                                                                                          \
+    _tile_loadd(A, xs + (b) * QK, x->in);                                                       \
+    _tile_loadd(B, s[b].q, 64);                                                                 \
+    _tile_zero(C);                                                                              \
+    _tile_dpbusd(C, A, B);                                                                      \
+    _tile_stored(C, c[(b) & 1], 64);                                                            \
+  } while (0)
+  PRODUCT32(0, 1, 2, 0);
   for (int64_t b = 0; b < blocks; ++b) {
-    _tile_loadd(0, x->xs + r0 * x->in + b * QK, x->in);
-    _tile_loadd(1, s[b].q, 64);
-    _tile_zero(2);
-    _tile_dpbusd(2, 0, 1);
-    _tile_stored(2, c, 64);
+    if (b + 1 < blocks) { /* the next block's tiles, while this one's integers are scaled */
+      if (b & 1) PRODUCT32(0, 1, 2, b + 1);
+      else PRODUCT32(3, 4, 5, b + 1);
+    }
     const __m512i offset = _mm512_load_si512(s[b].offset);
     const __m512 dv = _mm512_load_ps(s[b].d);
     for (int r = 0; r < AMX_ROWS; ++r) {
       if (r >= nr) break; /* the activation rows stop at m: the tile's padding has no scale */
       const ActQ8 *xb = (const ActQ8 *)(x->xq + (r0 + r) * x->xq_row_bytes) + b;
-      const __m512i sum = _mm512_add_epi32(_mm512_load_si512(c[r]), offset);
+      const __m512i sum = _mm512_add_epi32(_mm512_load_si512(c[b & 1][r]), offset);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(sum), acc[r]);
     }
   }
+#undef PRODUCT32
   for (int r = 0; r < nr; ++r) {
     __m512 accm = _mm512_setzero_ps();
     if (has_min)
@@ -459,22 +474,33 @@ AMX_TARGET static void strip32_amx(const Strip32 *s, int nw, const StripActs *x,
 AMX_TARGET static void stripk_amx(const StripK *s, int nw, const StripActs *x, int64_t r0,
                                   int nr, int64_t blocks, int sub, float *y, int64_t ldy) {
   float acc[AMX_ROWS][GROUP] __attribute__((aligned(64)));
-  int32_t c[AMX_ROWS][GROUP] __attribute__((aligned(64)));
+  int32_t c[2][AMX_ROWS][GROUP] __attribute__((aligned(64)));
   memset(acc, 0, sizeof acc);
+  const uint8_t *xs = x->xs + r0 * x->in;
+  const int subs = QKK / sub; /* products of a super-block, step i = b * subs + sb */
+#define PRODUCTK(A, B, C, i)                                                                    \
+  do {                                                                                          \
+    _tile_loadd(A, xs + (i) / subs * QKK + (i) % subs * sub, x->in);                            \
+    _tile_loadd(B, s[(i) / subs].q[(i) % subs * sub / 4], 64);                                  \
+    _tile_zero(C);                                                                              \
+    _tile_dpbusd(C, A, B);                                                                      \
+    _tile_stored(C, c[(i) & 1], 64);                                                            \
+  } while (0)
+  PRODUCTK(0, 1, 2, 0);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i total[AMX_ROWS];
     const __m512i offset = _mm512_load_si512(s[b].offset);
     for (int r = 0; r < AMX_ROWS; ++r) total[r] = offset;
-    for (int sb = 0; sb < QKK / sub; ++sb) {
-      _tile_loadd(0, x->xs + r0 * x->in + b * QKK + sb * sub, x->in);
-      _tile_loadd(1, s[b].q[sb * sub / 4], 64);
-      _tile_zero(2);
-      _tile_dpbusd(2, 0, 1);
-      _tile_stored(2, c, 64);
+    for (int sb = 0; sb < subs; ++sb) {
+      const int64_t i = b * subs + sb;
+      if (i + 1 < blocks * subs) { /* the next product's tiles while this one is scaled */
+        if (i & 1) PRODUCTK(0, 1, 2, i + 1);
+        else PRODUCTK(3, 4, 5, i + 1);
+      }
       const __m512i scale = _mm512_load_si512(s[b].scale[sb]);
       for (int r = 0; r < AMX_ROWS; ++r) {
         if (r >= nr) break;
-        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(_mm512_load_si512(c[r]), scale));
+        total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(_mm512_load_si512(c[i & 1][r]), scale));
       }
     }
     const __m512 dv = _mm512_load_ps(s[b].d);
@@ -494,6 +520,7 @@ AMX_TARGET static void stripk_amx(const StripK *s, int nw, const StripActs *x, i
     }
     _mm512_mask_storeu_ps(y + r * ldy, first_lanes(nw), _mm512_sub_ps(_mm512_load_ps(acc[r]), accm));
   }
+#undef PRODUCTK
 }
 
 /* AMX is used once the process has the kernel's permission for tile data (Linux asks each
