@@ -91,9 +91,12 @@ class CacheConfig:
 
 # Model calls of a prefill end on multiples of this many prompt tokens (it divides the block
 # size, so checkpoints stay chunk ends). On the CPU a call's cost grows with its tokens, and a
-# decoding row waits for the chunk that shares its step: 64 keeps that wait near one decode step
-# of a small model. On a GPU a call of 256 costs little more than one of 64.
-CPU_CHUNK_TOKENS = 64
+# decoding row waits for the chunk that shares its step; the engine spreads a chunk's layers
+# over steps (SLICED_PREFILL_TOKENS) so that wait stays near a step either way. Since the GGUF
+# products unpack each claim's weights once per call (quant512.h's strips), bigger calls pay:
+# the default's 1,024-token prefill on the Xeon of issue 25 ran at 888-905 tokens/s in calls of
+# 64, 1,019-1,030 in 128 and 1,113-1,132 in 256 (benchmarks/probes/prefill_split.py).
+CPU_CHUNK_TOKENS = 128
 GPU_CHUNK_TOKENS = BLOCK_TOKENS
 
 
