@@ -20,6 +20,7 @@ The rule for memory that native code reads (issue 23):
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,17 @@ class KernelCallError(ValueError):
     """A kernel call whose buffers do not match what the kernel would read or write."""
 
 
+# id -> (a weak reference to an array that owns its memory, its [low, high)): the scratch
+# buffers whose views every decode step checks ~15 times a layer. An owning array's buffer
+# does not move while a view of it lives (NumPy refuses to resize it then), and the entry goes
+# with the array; the weak reference also tells a reused id from its first owner.
+_OWNED_BOUNDS: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _forget_owner(key: int) -> None:
+    _OWNED_BOUNDS.pop(key, None)
+
+
 def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
     """[low, high) of the memory held by the array at the root of `array`'s chain of views
     (through as_strided's wrapper objects too)."""
@@ -44,11 +56,20 @@ def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
         if isinstance(base, np.ndarray):
             owner = base
         base = getattr(base, "base", None)
-    return _extent(owner, owner.__array_interface__["data"][0])
+    known = _OWNED_BOUNDS.get(id(owner))
+    if known is not None and known[0]() is owner:
+        return known[1], known[2]
+    bounds = _extent(owner, owner.__array_interface__["data"][0])
+    if owner.base is None and owner.flags.owndata:
+        key = id(owner)
+        _OWNED_BOUNDS[key] = (weakref.ref(owner, lambda _, key=key: _forget_owner(key)), *bounds)
+    return bounds
 
 
 def _extent(array: np.ndarray, address: int) -> tuple[int, int]:
     """[low, high) of the bytes a view of `array`'s shape and strides touches from `address`."""
+    if array.flags.c_contiguous:
+        return address, address + array.nbytes
     low = high = address
     for count, stride in zip(array.shape, array.strides):
         if count == 0:
@@ -74,13 +95,16 @@ def checked(array: object, name: str, dtype: np.dtype, shape: tuple[int, ...], *
     if writes and not array.flags.writeable:
         raise KernelCallError(f"{name}: read-only, the kernel writes it")
     if strided:
-        strides = array.strides
-        if any(s < 0 or s % array.itemsize for s in strides) or (
-                shape and shape[-1] > 1 and strides[-1] != array.itemsize):
+        strides, itemsize = array.strides, array.itemsize
+        for stride in strides:
+            if stride < 0 or stride % itemsize:
+                raise KernelCallError(f"{name}: strides {strides} (unit last stride, none "
+                                      "negative)")
+        if shape and shape[-1] > 1 and strides[-1] != itemsize:
             raise KernelCallError(f"{name}: strides {strides} (unit last stride, none negative)")
     elif not array.flags.c_contiguous:
         raise KernelCallError(f"{name}: not C-contiguous (strides {array.strides})")
-    address = array.__array_interface__["data"][0]
+    address = array.ctypes.data
     if not address and array.size:
         raise KernelCallError(f"{name}: null buffer")
     if array.base is not None:  # a view: its extent must lie within what its owner holds
@@ -98,7 +122,8 @@ def _optional(array: np.ndarray | None, name: str, dtype: np.dtype,
 
 
 def element_strides(array: np.ndarray) -> native.Strides4:
-    return native.Strides4(*(s // array.itemsize for s in array.strides))
+    itemsize = array.itemsize
+    return native.Strides4(*[stride // itemsize for stride in array.strides])
 
 
 def weight_layout(form: int, rows: int, cols: int) -> tuple[np.dtype, tuple[int, int]]:
@@ -371,10 +396,11 @@ class Kernels:
             first, rotation = layout
             args.kpos = checked(first, "key positions", _I64, (batch,))
             args.krot = checked(rotation, "key rotation", _I64, (batch,))
-            if rotation.min() < 0 or rotation.max() >= total or np.abs(first).max() >= 1 << 60:
+            rotations, firsts = rotation.tolist(), first.tolist()  # B ints: no NumPy reductions
+            if (min(rotations) < 0 or max(rotations) >= total
+                    or max(abs(position) for position in firsts) >= 1 << 60):
                 raise KernelCallError(f"attention: key rotation {rotation} outside [0, {total}) "
                                       f"or positions {first} out of range")
-            rotations = rotation.tolist()
         tail_length = 0
         if tail is not None:
             tail_keys, tail_values = tail
