@@ -555,27 +555,41 @@ static Pre32 *claim_strip(int64_t blocks) {
   return strip;
 }
 
-#ifndef __AVX512F__
-static void qmatvec_block(const void *arg, int64_t claim) {
-  const QJob *j = (const QJob *)arg;
+/* A claim's part and its output rows [start, end) within the part. */
+static inline const QJobPart *claim_rows(const QJob *j, int64_t claim, int64_t *start,
+                                         int64_t *end) {
   int p = j->nparts - 1;
   while (p > 0 && claim < j->parts[p].claims_before) --p;
   const QJobPart *part = &j->parts[p];
-  const int64_t local = claim - part->claims_before, start = local * Q_ROWS_PER_CLAIM;
-  int64_t end = start + Q_ROWS_PER_CLAIM;
-  if (end > part->count) end = part->count;
-  /* Where the claim's rows meet more than one tile of activation rows, unpack them once. */
+  *start = (claim - part->claims_before) * Q_ROWS_PER_CLAIM;
+  *end = *start + Q_ROWS_PER_CLAIM < part->count ? *start + Q_ROWS_PER_CLAIM : part->count;
+  return part;
+}
+
+/* The claim's weight rows as its tiles read them (`*wstride` bytes apart): stored, or, where
+   they meet more than one tile of activation rows, unpacked once into this thread's Pre32
+   strip (`*unpacked` set). */
+static const uint8_t *claim_weights(const QJobPart *part, int64_t m, int64_t start, int64_t end,
+                                    int64_t *wstride, int *unpacked) {
   const uint8_t *W = part->W + start * part->row_bytes;
-  int64_t wstride = part->row_bytes;
-  const TileFn(*tiles)[NR_MAX] = part->tiles;
-  Pre32 *pre = part->pre_unpack && j->m > NR_MAX ? claim_strip((end - start) * part->blocks)
-                                                 : NULL;
-  if (pre) {
-    part->pre_unpack(W, wstride, end - start, part->blocks, pre);
-    W = (const uint8_t *)pre;
-    wstride = part->blocks * (int64_t)sizeof(Pre32);
-    tiles = part->pre_tiles;
-  }
+  *wstride = part->row_bytes;
+  Pre32 *pre = part->pre_unpack && m > NR_MAX ? claim_strip((end - start) * part->blocks) : NULL;
+  *unpacked = pre != NULL;
+  if (!pre) return W;
+  part->pre_unpack(W, *wstride, end - start, part->blocks, pre);
+  *wstride = part->blocks * (int64_t)sizeof(Pre32);
+  return (const uint8_t *)pre;
+}
+
+#ifndef __AVX512F__
+static void qmatvec_block(const void *arg, int64_t claim) {
+  const QJob *j = (const QJob *)arg;
+  int64_t start, end;
+  const QJobPart *part = claim_rows(j, claim, &start, &end);
+  int64_t wstride;
+  int unpacked;
+  const uint8_t *W = claim_weights(part, j->m, start, end, &wstride, &unpacked);
+  const TileFn(*tiles)[NR_MAX] = unpacked ? part->pre_tiles : part->tiles;
   float results[NW_TILE * NR_MAX];
   for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
     const int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;

@@ -577,16 +577,12 @@ static void *claim_strip512(size_t bytes) {
 
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
-  int p = j->nparts - 1;
-  while (p > 0 && claim < j->parts[p].claims_before) --p;
-  const QJobPart *part = &j->parts[p];
-  const int64_t local = claim - part->claims_before, start = local * Q_ROWS_PER_CLAIM;
-  int64_t end = start + Q_ROWS_PER_CLAIM;
-  if (end > part->count) end = part->count;
-  const uint8_t *W = part->W + start * part->row_bytes;
+  int64_t start, end;
+  const QJobPart *part = claim_rows(j, claim, &start, &end);
   float *y = j->y + part->first + start;
 #ifdef __AVX512VNNI__
   if (j->strips && j->m > NR_MAX) {
+    const uint8_t *W = part->W + start * part->row_bytes;
     const int k = is_k_quant(part->type), groups = (int)((end - start + GROUP - 1) / GROUP);
     const size_t per_group = (size_t)part->blocks * (k ? sizeof(StripK) : sizeof(Strip32));
     uint8_t *strip = claim_strip512(groups * per_group);
@@ -630,20 +626,15 @@ static void qmatvec_block(const void *arg, int64_t claim) {
 #endif
   /* Stored blocks; with more than one pass of activation rows, the 32-value types' rows are
      unpacked once into Pre32 first (the same bytes and scales, so the same bits). */
-  int64_t wstride = part->row_bytes;
-  Pre32 *pre = part->pre_unpack && j->m > NR_MAX ? claim_strip((end - start) * part->blocks)
-                                                 : NULL;
-  if (pre) {
-    part->pre_unpack(W, wstride, end - start, part->blocks, pre);
-    W = (const uint8_t *)pre;
-    wstride = part->blocks * (int64_t)sizeof(Pre32);
-  }
-  const GroupFn group = group_for(part->type, pre != NULL);
+  int64_t wstride;
+  int unpacked;
+  const uint8_t *rows = claim_weights(part, j->m, start, end, &wstride, &unpacked);
+  const GroupFn group = group_for(part->type, unpacked);
   for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
     const int nr = (int)(j->m - r0 < NR_MAX ? j->m - r0 : NR_MAX);
     for (int64_t o = start; o < end; o += GROUP) {
       const int nw = (int)(end - o < GROUP ? end - o : GROUP);
-      group(W + (o - start) * wstride, wstride, nw, part->xq + r0 * part->xq_row_bytes,
+      group(rows + (o - start) * wstride, wstride, nw, part->xq + r0 * part->xq_row_bytes,
             part->xq_row_bytes, nr, part->blocks, y + r0 * j->ldy + (o - start), j->ldy);
     }
   }
