@@ -42,15 +42,17 @@ def first_token_count_over(kv, start: int, total: int) -> int:
     return tokens
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["unpipelined", "pipelined"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_row_is_cut_with_length_before_the_token_that_would_cross_the_budget(tiny_loaded,
-                                                                              family):
+                                                                              family, pipelined):
     loaded = tiny_loaded(family)
     prompt = prompt_of(300)
     memory = account(loaded, 520)
     limit = first_token_count_over(memory.kv, len(prompt), memory.budget.total)
     assert limit < len(prompt) + 2000, "the test needs a budget the answer can cross"
-    with Engine(loaded, EngineConfig(parallel=2), memory=memory) as engine:
+    with Engine(loaded, EngineConfig(parallel=2, pipeline_decode=pipelined),
+                memory=memory) as engine:
         no_eos = engine.eos_token_ids
         cut = engine.generate(GenerationRequest(prompt, greedy(2000, no_eos)), TIMEOUT)
     assert cut.finish.reason == "length"

@@ -137,18 +137,21 @@ def test_a_prompt_that_cannot_stop_between_layers_runs_whole_or_waits():
     assert calls(alone) == [[(0, 256, None, 0)]]
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["unpipelined", "pipelined"])
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
-def test_an_engines_plans_cover_each_prompt_once_in_order(tiny_loaded, family):
+def test_an_engines_plans_cover_each_prompt_once_in_order(tiny_loaded, family, pipelined):
     """Through the engine's public step listener: every prompt position is computed by exactly
     one call that passes every layer, in order, and every decode row of a plan is a sequence
-    that emits a token in that step."""
+    that emits a token in that step. Pipelined (a GPU's decode, forced here on any backend):
+    no step is queued for a row whose token in flight is its last by max_tokens."""
     from rewind.config import EngineConfig
     from rewind.engine import Engine, GenerationRequest, SamplingParams
 
     loaded = tiny_loaded(family)
     prompts = [[5 + (i * 7 + n) % 200 for i in range(n)] for n in (700, 90, 333)]
     plans = []
-    config = EngineConfig(parallel=3, mixed_prefill_tokens=48, prefill_chunk=256)
+    config = EngineConfig(parallel=3, mixed_prefill_tokens=48, prefill_chunk=256,
+                          pipeline_decode=pipelined)
     with Engine(loaded, config) as engine:
         engine.add_step_listener(lambda plan, timing: plans.append((plan, timing)))
         handles = [engine.submit(GenerationRequest(p, SamplingParams(temperature=0.0,

@@ -90,6 +90,11 @@ class Ticket:
         cross the budget."""
         return tokens <= self.tokens or self.grow(tokens - self.tokens)
 
+    def count_cut(self) -> None:
+        """Its sequence was ended with finish_reason length for want of room."""
+        with self.budget._lock:
+            self.budget.actions["cut_length"] += 1
+
     def release(self) -> None:
         if not self.released:
             self.released = True
@@ -234,9 +239,8 @@ class MemoryBudget:
     def _extend(self, ticket: Ticket, extra: int) -> bool:
         with self._taking:
             ticket.bytes += extra
-            if self._fixed() > self.total:
+            if self._fixed() > self.total:  # the caller decides what follows (a cut counts there)
                 ticket.bytes -= extra
-                self.actions["cut_length"] += 1
                 return False
         self.rebalance()
         return True

@@ -279,9 +279,13 @@ class Scheduler:
             return False
         if any(s.cancelled.is_set() or s.sampler.needs_history for s in self.decoding):
             return False
-        # The queued step makes each row's token after the one in flight; a row without room
-        # for it is cut by an unpipelined step (_cut_rows_over_budget).
+        # The queued step makes each row's token after the one in flight. A row whose token in
+        # flight is its last by max_tokens would get a token nobody reads, its cache a row the
+        # answer does not hold (the prompt cache would then keep it): it finishes unpipelined.
+        # A row without room for it is cut by an unpipelined step (_cut_rows_over_budget).
         ahead = 2 if self._inflight is not None else 1
+        if any(len(s.generated) + ahead > s.request.params.max_tokens for s in self.decoding):
+            return False
         return all(self._room_for(s, ahead) for s in self.decoding)
 
     def _pipelined_plan(self) -> StepPlan:
@@ -384,6 +388,7 @@ class Scheduler:
             reason = (f"memory budget: this sequence's cache ({seq.ticket.tokens} tokens) "
                       "would cross --memory-budget")
             log.warning("%s; ending it with finish_reason length", reason)
+            seq.ticket.count_cut()
             self.emission.finish(seq, "length", reason)
         self._leave_batch(cut)
 
