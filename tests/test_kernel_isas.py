@@ -174,6 +174,7 @@ print(json.dumps({"isa": native.chosen_isa(),
 """
 
 
+@pytest.mark.cpu_only  # the native forward runs on the CPU backend alone
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_a_model_forward_gives_the_same_logits_on_both_builds(tiny_model_path,
                                                               family: str) -> None:

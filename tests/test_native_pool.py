@@ -88,6 +88,7 @@ print("forwards held")
 """
 
 
+@pytest.mark.cpu_only  # the native forward runs on the CPU backend alone
 def test_a_model_forward_through_a_paused_pool_neither_crashes_nor_changes(tiny_model_path,
                                                                            tmp_path: Path) -> None:
     """The production path: the whole kernels library built with the pauses, under the native
