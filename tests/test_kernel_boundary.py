@@ -147,6 +147,77 @@ def test_attention_checks_its_views_and_mask() -> None:
                               layout, pair, keys)
 
 
+def _random_layer(rng: np.random.Generator, dim: int, hidden: int = 32,
+                  intermediate: int = 48) -> LayerArgs:
+    heads, kv_heads = 2, 1
+    shape = native.Shape(hidden, heads, kv_heads, dim, intermediate, dim, native.ACT_SILU, 2,
+                         1e-6, 1.0, 0)
+    r = lambda *dims: (0.3 * rng.standard_normal(dims)).astype(np.float32)  # noqa: E731
+    matrices = {"qkv": MatrixArgs.build(r((heads + 2 * kv_heads) * dim, hidden), native.FORM_F32),
+                "o": MatrixArgs.build(r(hidden, heads * dim), native.FORM_F32),
+                "gate_up": MatrixArgs.build(r(2 * intermediate, hidden), native.FORM_F32),
+                "down": MatrixArgs.build(r(hidden, intermediate), native.FORM_F32)}
+    vectors = {"input_norm": 1 + r(hidden), "pre_ff_norm": 1 + r(hidden)}
+    inv_freq = (1.0 / 10000 ** (np.arange(dim // 2) / (dim // 2))).astype(np.float32)
+    return LayerArgs.build(shape, vectors, matrices, inv_freq)
+
+
+def test_decode_step_gives_the_per_layer_bits_and_checks_each_cache() -> None:
+    """step.c's decode_step: two layers, two rows (one over a cache in order, one over a full
+    ring buffer read from its oldest slot), against layer_pre / attention with a tail /
+    layer_post called a layer at a time; then calls it must refuse."""
+    kernels, rng = boundary.kernels(), np.random.default_rng(3)
+    dim = 2 * native.vector_width()
+    layers = [_random_layer(rng, dim) for _ in range(2)]
+    step = boundary.StepArgs.build(layers, [0.25, 0.5])
+    rows, width = 2, layers[0].width
+    kv = lambda slots: rng.standard_normal((1, 1, slots, dim)).astype(np.float32)  # noqa: E731
+    # Row 0: 4 keys in a buffer of 8 slots, in order from position 0; row 1: a ring of 6 slots
+    # whose oldest key (position 97) sits in slot 3, the new key overwriting it.
+    layouts = [(5, 0, 0, 8), (6, 97, 3, 6)]
+    caches = [boundary.StepCache(kv(slots), kv(slots), keys, first, rotation)
+              for _ in layers for keys, first, rotation, slots in layouts]
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+    positions = np.array([4, 102], np.int64)
+
+    expected, qkv_expected = x.copy(), np.zeros((2, rows, width), np.float32)
+    scratch = np.zeros((rows, 32 + 3 * 48), np.float32)
+    attended = np.zeros((rows, 2 * dim), np.float32)
+    for index, layer in enumerate(layers):
+        projected = qkv_expected[index]
+        kernels.layer_pre(layer, expected, positions, projected, scratch[:, :32].copy())
+        for row, (keys, first, rotation, _) in enumerate(layouts):
+            cache = caches[index * rows + row]
+            heads = projected[row:row + 1].reshape(1, 1, 4, dim).transpose(0, 2, 1, 3)
+            out = attended[row:row + 1].reshape(1, 1, 2, dim).transpose(0, 2, 1, 3)
+            assert kernels.attention(
+                heads[:, :2], cache.keys_buffer, cache.values_buffer, native.FORM_F32, None,
+                native.MASK_NONE, out, step.scales[index], 2,
+                (np.array([first], np.int64), np.array([rotation], np.int64)),
+                (heads[:, 2:3], heads[:, 3:4]), keys)
+        kernels.layer_post(layer, expected, attended, scratch)
+
+    got, qkv = x.copy(), np.zeros((2, rows, width), np.float32)
+    kernels.decode_step(step, caches, got, positions, qkv, scratch, attended)
+    assert np.array_equal(got, expected) and np.array_equal(qkv, qkv_expected)
+    assert not np.array_equal(got, x)
+
+    short = [boundary.StepCache(c.keys_buffer[:, :, :4], c.values_buffer[:, :, :4], c.keys,
+                                c.first, c.rotation) for c in caches]
+    bad_dtype = [boundary.StepCache(c.keys_buffer.astype(np.float64), c.values_buffer, c.keys,
+                                    c.first, c.rotation) for c in caches]
+    bad_rotation = [boundary.StepCache(c.keys_buffer, c.values_buffer, c.keys, c.first, c.keys)
+                    for c in caches]
+    for bad, match in ((short, "slot"), (bad_dtype, "dtype"), (bad_rotation, "rotation"),
+                       (caches[:3], "3 caches")):
+        with pytest.raises(KernelCallError, match=match):
+            kernels.decode_step(step, bad, got, positions, qkv, scratch, attended)
+    with pytest.raises(KernelCallError, match="qkv"):
+        kernels.decode_step(step, caches, got, positions, qkv[:1], scratch, attended)
+    with pytest.raises(KernelCallError, match="different widths"):
+        boundary.StepArgs.build([layers[0], _random_layer(rng, dim, intermediate=64)], [1.0, 1.0])
+
+
 def test_gated_delta_checks_heads_and_state() -> None:
     kernels = boundary.kernels()
     b, t, hk, hv, dk, dv = 1, 2, 2, 4, 8, 8

@@ -211,6 +211,56 @@ def test_continuous_batch_equals_mlx_path(model_pair, family: str) -> None:
         assert_logits_close(np.array(fast_lp), np.array(plain_lp))
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen2"])
+def test_decode_in_one_call_gives_the_per_layer_bits(model_pair, family: str) -> None:
+    """A decode step through every layer in one C call (step.c) against the same kernels
+    called a layer at a time: the same tokens and logits to the bit, past Gemma's 64-token
+    window (its ring buffers wrap) and the caches' 256-slot step; the one-call path ran."""
+    fast, _ = model_pair(family)
+    forward = native_forward(fast.model)
+    assert forward.decode_in_one_call
+    prompt = np.random.default_rng(5).integers(3, 200, 30).tolist()
+    traces = []
+    try:
+        for one_call in (True, False):
+            forward.decode_in_one_call = one_call
+            before = forward.one_call_steps
+            traces.append(decode_trace(fast.model, prompt, 240))
+            assert (forward.one_call_steps - before == 240) == one_call
+    finally:
+        forward.decode_in_one_call = True
+    assert traces[0][0] == traces[1][0]
+    assert np.array_equal(traces[0][1], traces[1][1])
+
+
+def test_batched_decode_in_one_call_gives_the_per_layer_bits(model_pair) -> None:
+    """The engine's continuous batch (each row its own cache) with every decode step in one C
+    call, rows joining and leaving: each row's tokens and logprobs are the per-layer path's."""
+    fast, _ = model_pair("gemma3")
+    forward = native_forward(fast.model)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (3, 90, 40)]
+    lengths = [30, 12, 80]
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        with Engine(fast, EngineConfig(parallel=3, prefill_chunk=256)) as engine:
+            handles = [engine.submit(GenerationRequest(p, SamplingParams(
+                temperature=0.0, max_tokens=n, logprobs=True,
+                logit_bias={t: -1e9 for t in engine.eos_token_ids})))
+                for p, n in zip(prompts, lengths)]
+            return [(r.tokens, r.logprobs) for r in (h.collect(120) for h in handles)]
+
+    try:
+        before = forward.one_call_steps
+        one_call = run()
+        assert forward.one_call_steps - before >= lengths[-1] - lengths[0]
+        forward.decode_in_one_call = False
+        per_layer = run()
+    finally:
+        forward.decode_in_one_call = True
+    assert one_call == per_layer
+
+
 def test_decode_after_a_trimmed_cache_equals_mlx_path(model_pair) -> None:
     """Rewinding a full-attention cache (as the prompt cache does) and decoding again."""
     fast, plain = model_pair("llama")

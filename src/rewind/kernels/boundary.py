@@ -261,6 +261,50 @@ class LayerArgs:
         return cls(shape, dict(vectors), dict(matrices), inv_freq, struct)
 
 
+@dataclass(frozen=True)
+class StepArgs:
+    """Every layer of a backbone for step.c's decode_step, checked once: the layers (which own
+    what their structs point into) and the table of pointers to them. Layers of one width
+    only (heads, kv heads, head size, hidden and intermediate sizes)."""
+
+    layers: tuple[LayerArgs, ...]
+    scales: tuple[float, ...]
+    table: ctypes.Array
+
+    @classmethod
+    def build(cls, layers: list[LayerArgs], scales: list[float]) -> "StepArgs":
+        if not layers or len(scales) != len(layers):
+            raise KernelCallError("decode step: one attention scale per layer, at least one layer")
+        first = layers[0].shape
+        widths = ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
+        for layer in layers:
+            if any(getattr(layer.shape, name) != getattr(first, name) for name in widths):
+                raise KernelCallError("decode step: layers of different widths")
+        table = (native.StepLayer * len(layers))(*[
+            native.StepLayer(ctypes.addressof(layer.struct), ctypes.addressof(layer.shape),
+                             layer.inv_freq.__array_interface__["data"][0], float(scale))
+            for layer, scale in zip(layers, scales)])
+        return cls(tuple(layers), tuple(float(s) for s in scales), table)
+
+    @property
+    def shape(self) -> native.Shape:
+        return self.layers[0].shape
+
+
+@dataclass
+class StepCache:
+    """One row's KV cache in one layer as a decode step reads it: its buffers before the step
+    (NumPy views of the cache's evaluated float32 arrays [1, kv_heads, slots, D]) and, after
+    the step's one new key, `keys` keys with the oldest at absolute position `first` in slot
+    `rotation` (see cpu_attention.key_layout)."""
+
+    keys_buffer: np.ndarray
+    values_buffer: np.ndarray
+    keys: int
+    first: int
+    rotation: int
+
+
 def _status(name: str, status: int) -> None:
     if status:
         raise KernelCallError(f"{name} refused the call (status {status})")
@@ -336,6 +380,55 @@ class Kernels:
             checked(x, "x", _F32, (m, s.hidden), writes=True), m,
             checked(attended, "attended", _F32, (m, s.heads * s.head_dim)),
             checked(scratch, "scratch", _F32, (m, s.hidden + 3 * s.intermediate), writes=True)))
+
+    def decode_step(self, step: StepArgs, caches: list[StepCache], x: np.ndarray,
+                    positions: np.ndarray, qkv: np.ndarray, scratch: np.ndarray,
+                    attended: np.ndarray) -> None:
+        """x [m, H] through every layer of `step` in one call, one decode token a row at
+        `positions`: layer_pre, each row's attention over `caches` (layer-major: the m rows of
+        layer 0, then of layer 1, ...) plus its own new key and value, layer_post. qkv
+        [layers, m, width] keeps each layer's projections: the new keys and values for the
+        caches' updates. The same calls, in the same order, as layer_pre / attention /
+        layer_post one layer at a time, so the same bits."""
+        s = step.shape
+        H, I, D, kv = s.hidden, s.intermediate, s.head_dim, s.kv_heads
+        n_layers = len(step.layers)
+        m = int(x.shape[0]) if getattr(x, "ndim", 0) == 2 else -1
+        if m < 1 or len(caches) != n_layers * m:
+            raise KernelCallError(f"decode step: {len(caches)} caches for {n_layers} layers of "
+                                  f"{m} rows")
+        if D % self.vector_width:
+            raise KernelCallError(f"decode step: head size {D} is not whole vectors of "
+                                  f"{self.vector_width}")
+        width = step.layers[0].width
+        table = np.empty((len(caches), len(native.STEP_CACHE_FIELDS)), np.int64)
+        for index, cache in enumerate(caches):
+            keys, slots = cache.keys, -1
+            if getattr(cache.keys_buffer, "ndim", 0) == 4:
+                slots = int(cache.keys_buffer.shape[2])
+            shape = (1, kv, slots, D)
+            k = checked(cache.keys_buffer, "k", _F32, shape, strided=True)
+            v = checked(cache.values_buffer, "v", _F32, shape, strided=True)
+            rotation, from_buffer = cache.rotation, keys - 1
+            if keys < 1 or not 0 <= rotation < keys or abs(cache.first) >= 1 << 60:
+                raise KernelCallError(f"decode step: {keys} keys, rotation {rotation}, first "
+                                      f"position {cache.first}")
+            last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < keys else keys - 1
+            if from_buffer and last >= slots:
+                raise KernelCallError(f"decode step: key slot {last} of buffers of {slots}")
+            table[index] = (k, v, *(t // 4 for t in cache.keys_buffer.strides),
+                            *(t // 4 for t in cache.values_buffer.strides), slots, keys,
+                            cache.first, rotation)
+        status = self._library.decode_step(
+            step.table, n_layers, table.ctypes.data,
+            checked(x, "x", _F32, (m, H), writes=True), m,
+            checked(positions, "positions", _I64, (m,)),
+            checked(qkv, "qkv", _F32, (n_layers, m, width), writes=True),
+            checked(scratch, "scratch", _F32, (m, H + 3 * I), writes=True),
+            checked(attended, "attended", _F32, (m, s.heads * D), writes=True))
+        if status == -2:
+            raise MemoryError("decode step: no memory for a kernel's scratch")
+        _status("decode_step", status)
 
     def rows_rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
                       out: np.ndarray) -> None:

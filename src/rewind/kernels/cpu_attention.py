@@ -140,6 +140,24 @@ def _layout_after_one(cache: Any) -> tuple[int, tuple[int, int]]:
     return offset, (0, 0)
 
 
+def one_token_layout(cache: Any) -> tuple[int, int, int] | None:
+    """(keys, first position, rotation) a one-token update of `cache` will leave, for a cache
+    of one batch row whose update writes in place (see `_updates_in_place`) and whose float32
+    keys the kernels read; None for any other."""
+    keys = getattr(cache, "keys", None)
+    if (not _updates_in_place(cache) or keys.dtype != mx.float32 or keys.ndim != 4
+            or keys.shape[0] != 1 or cache.values.dtype != mx.float32):
+        return None
+    total, (first, rotation) = _layout_after_one(cache)
+    return total, first, rotation
+
+
+def moved_as_foreseen(cache: Any, keys: mx.array, layout: tuple[int, int, int]) -> bool:
+    """Whether the update that returned `keys` left `cache` as `one_token_layout` foresaw."""
+    total, first, rotation = layout
+    return int(keys.shape[2]) == total and _first_and_rotation(cache, total) == (first, rotation)
+
+
 def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: mx.array,
                           cache: Any, scale: float, mask: Any, out: np.ndarray,
                           threads: int | None = None) -> bool:

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 NATIVE = Path(__file__).resolve().parent / "c"  # the C sources, beside this package
 SOURCES = (NATIVE / "pool.c", NATIVE / "cpu_kernels.c", NATIVE / "quant.c", NATIVE / "attention.c",
-           NATIVE / "gated_delta.c")
-HEADERS = (NATIVE / "simd.h", NATIVE / "quant.h", NATIVE / "quant512.h")
+           NATIVE / "gated_delta.c", NATIVE / "step.c")
+HEADERS = (NATIVE / "simd.h", NATIVE / "quant.h", NATIVE / "quant512.h",
+           NATIVE / "layer.h", NATIVE / "attention.h")
 _BASE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-ffp-contract=off"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
@@ -92,6 +93,16 @@ class Attention(ctypes.Structure):
 
 
 MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3
+
+# step.c's StepCache, as a row of int64 (addresses included): the boundary fills a NumPy table
+# of them, one row per cache a step reads.
+STEP_CACHE_FIELDS = ("k", "v", "ks0", "ks1", "ks2", "ks3", "vs0", "vs1", "vs2", "vs3",
+                     "S_buf", "S", "kpos", "krot")
+
+
+class StepLayer(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_void_p), ("shape", ctypes.c_void_p),
+                ("inv_freq", ctypes.c_void_p), ("scale", ctypes.c_float)]
 
 
 class GatedDelta(ctypes.Structure):
@@ -190,8 +201,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attention.argtypes = [ctypes.POINTER(Attention)]
     lib.gated_delta.argtypes = [ctypes.POINTER(GatedDelta)]
     lib.quant_amx.argtypes = [ctypes.c_int]
+    lib.decode_step.argtypes = [ctypes.POINTER(StepLayer), i64, p, p, i64, p, p, p, p]
     for name in ("quant_amx", "matrix_product", "dequantize_rows", "layer_pre", "layer_post",
-                 "rows_rms_norm", "attention", "gated_delta"):
+                 "rows_rms_norm", "attention", "gated_delta", "decode_step"):
         getattr(lib, name).restype = ctypes.c_int
 
 

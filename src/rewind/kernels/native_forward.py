@@ -43,8 +43,10 @@ import mlx.nn as nn
 import numpy as np
 
 from rewind.kernels import native
-from rewind.kernels.boundary import Kernels, LayerArgs, MatrixArgs
-from rewind.kernels.cpu_attention import attention_into, decode_attention_into
+from rewind.kernels.boundary import (Kernels, KernelCallError, LayerArgs, MatrixArgs, StepArgs,
+                                     StepCache)
+from rewind.kernels.cpu_attention import (attention_into, decode_attention_into,
+                                          moved_as_foreseen, one_token_layout)
 from rewind.kernels.host_view import host_view
 from rewind.kernels.model_split import forget_split, split_model
 from rewind.kernels.object_table import ObjectTable
@@ -420,6 +422,17 @@ class NativeForward:
         else:
             self.window = getattr(backbone, "sliding_window", None)
         self._scratch: tuple[np.ndarray, ...] = ()
+        self._step_qkv = np.empty(0, np.float32)
+        # Decode steps in one C call (step.c) where every layer has the same widths; False runs
+        # them a layer at a time (the same bits: tests compare the two).
+        self.step: StepArgs | None = None
+        try:
+            self.step = StepArgs.build([layer.args for layer in self.layers],
+                                       [layer.scale for layer in self.layers])
+        except KernelCallError:
+            pass
+        self.decode_in_one_call = self.step is not None
+        self.one_call_steps = 0  # decode steps run in one call (tests check the path ran)
         self.swapped: list[tuple[Any, str, Any]] = []  # modules replaced by in-place ones
 
     @property
@@ -514,6 +527,8 @@ class NativeForward:
         depend on which others ran beside it, nor on where its layers were split into calls."""
         if not blocks:
             return
+        if self.decode_in_one_call and self._decode_step(blocks):
+            return
         k = self._kernels
         first_layer = min(block.done for block, _ in blocks)
         last_layer = max(stop for _, stop in blocks)
@@ -553,6 +568,62 @@ class NativeForward:
         # evaluation cost ~70 us of MLX scheduling.
         if pending:
             mx.async_eval(pending)
+
+    def _decode_step(self, blocks: list[tuple["RowsInFlight", int]]) -> bool:
+        """`advance` for a step of decode rows only (one token each, through every layer, each
+        row its own cache taking a one-token update in place, no mask): every layer in one C
+        call, then the caches' updates queued. False (nothing done) for any other step."""
+        step, n_layers = self.step, len(self.layers)
+        if step is None or any(block.done or stop != n_layers or block.rows != 1
+                               or block.batch != 1 or not block.cache
+                               or any(mask is not None for mask in block.masks.values())
+                               for block, stop in blocks):
+            return False
+        layouts: list[tuple[int, int, int]] = []
+        for index in range(n_layers):
+            for block, _ in blocks:
+                layout = one_token_layout(block.cache[index])
+                if layout is None:
+                    return False
+                layouts.append(layout)
+        rows = len(blocks)
+        layer = self.layers[0]
+        # Views of each cache's buffers as they are (evaluating the last step's queued updates),
+        # held until the call returns and dropped before the updates, which then write in place.
+        caches = [StepCache(host_view(cache.keys), host_view(cache.values), *layout)
+                  for cache, layout in zip((block.cache[index] for index in range(n_layers)
+                                            for block, _ in blocks), layouts)]
+        x = blocks[0][0].x if rows == 1 else np.concatenate([block.x for block, _ in blocks])
+        positions = (blocks[0][0].positions if rows == 1
+                     else np.concatenate([block.positions for block, _ in blocks]))
+        size = n_layers * rows * layer.width
+        if self._step_qkv.size < size:
+            self._step_qkv = np.empty(size, np.float32)
+        qkv = self._step_qkv[:size].reshape(n_layers, rows, layer.width)
+        _, scratch, attended = self._buffers(rows, layer)
+        self._kernels.decode_step(step, caches, x, positions, qkv, scratch, attended)
+        del caches
+        heads, kv, dim = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim, layer.head_dim
+        pending: list[mx.array] = []
+        at = 0
+        for index in range(n_layers):
+            for row, (block, _) in enumerate(blocks):
+                cache, projected = block.cache[index], qkv[index, row]
+                keys, values = cache.update_and_fetch(
+                    mx.array(projected[heads:heads + kv].reshape(1, -1, 1, dim)),
+                    mx.array(projected[heads + kv:].reshape(1, -1, 1, dim)))
+                if not moved_as_foreseen(cache, keys, layouts[at]):
+                    raise RuntimeError(f"layer {index}'s {type(cache).__name__} moved otherwise "
+                                       "than a one-token update does")
+                pending += [keys, values]
+                at += 1
+        for row, (block, _) in enumerate(blocks):
+            if rows > 1:
+                block.x[...] = x[row:row + 1]
+            block.done = n_layers
+        mx.async_eval(pending)
+        self.one_call_steps += 1
+        return True
 
     def finish(self, block: "RowsInFlight") -> mx.array:
         """The block's output [B, L, hidden] (final norm applied), once it passed every layer."""

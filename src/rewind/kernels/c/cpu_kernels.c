@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "layer.h"
 #include "quant.h"
 #include "simd.h"
 
@@ -140,22 +141,6 @@ static void rope_heads(float *row, int64_t heads, int64_t D, int64_t dims, float
   }
 }
 
-/* Rows of a weight matrix in one form: a matrix may stack parts of different forms (a GGUF's
-   q and k in Q5_0 over its v in Q8_0). */
-typedef struct {
-  const void *weight; /* [rows, in] in `form`: float32, bf16, int8, or ggml blocks */
-  const float *scale; /* per row (int8), else NULL */
-  int64_t form;       /* FORM_*, or FORM_GGML + a ggml type */
-  int64_t rows;
-} Part;
-
-#define MAX_PARTS 3
-typedef struct {
-  Part parts[MAX_PARTS];
-  int64_t count;
-  const float *bias; /* [out] or NULL */
-} Matrix;
-
 /* y = W x (+ bias) for m rows, each part's rows through its own kernel. */
 static int apply(const Matrix *M, const float *x, float *y, int64_t out, int64_t in, int64_t m,
                  int threads) {
@@ -192,25 +177,6 @@ int matrix_product(const Matrix *M, const float *x, float *y, int64_t out, int64
   if (m < 1 || out < 1 || in < 1) return -1;
   return apply(M, x, y, out, in, m, threads);
 }
-
-typedef struct {
-  const float *input_norm;  /* [H] */
-  Matrix qkv;               /* [(nH + 2 nKV) D, H]: q, k and v projections stacked */
-  const float *q_norm;      /* [D] or NULL */
-  const float *k_norm;      /* [D] or NULL */
-  Matrix o;                 /* [H, nH D] */
-  const float *post_attn_norm; /* [H] or NULL (Gemma: norm of the attention output) */
-  const float *pre_ff_norm;    /* [H] */
-  Matrix gate_up;           /* [2 I, H]: gate then up */
-  Matrix down;              /* [H, I] */
-  const float *post_ff_norm;   /* [H] or NULL */
-} Layer;
-
-typedef struct {
-  int64_t hidden, heads, kv_heads, head_dim, intermediate, rope_dims, activation, threads;
-  float eps, rope_scale;
-  int64_t traditional;
-} Shape;
 
 /* Per-row work of a layer, spread over the pool in blocks of rows. */
 typedef struct {
