@@ -26,7 +26,8 @@
 # is removed and rebuilt. An install from before this script built llama-perplexity gets it built
 # in its existing build tree (cmake --build --target llama-perplexity: its own two sources and a
 # link, seconds), then the smoke run; where that tree cannot build it, everything is rebuilt. Never run in CI. LLAMA_CPP_SMOKE_MODEL=GGUF picks the smoke run's model
-# (empty: none, versions and devices only).
+# (empty: none, versions and devices only). LLAMA_CPP_EXPLICIT=1 skips GGML_NATIVE=ON and builds
+# with explicit flags for what /proc/cpuinfo (or LLAMA_CPP_CPUINFO's file) lists.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -194,6 +195,11 @@ build() {
 
 native_flags=(-DGGML_NATIVE=ON)
 plan="$(build_py plan)"
+if [[ "${LLAMA_CPP_EXPLICIT:-0}" == 1 ]]; then
+    # A build for a narrower CPU than this one (with LLAMA_CPP_CPUINFO listing its flags): e.g.
+    # the AVX2 baseline of an AVX2 machine, built and timed on an AVX-512 one.
+    plan="explicit: LLAMA_CPP_EXPLICIT=1, the flags LLAMA_CPP_CPUINFO lists"
+fi
 if [[ "$plan" == native ]]; then
     flags=("${native_flags[@]}")
     why="the default, every extension this CPU has; it passed the smoke run"

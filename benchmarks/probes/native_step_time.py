@@ -1,5 +1,6 @@
 """Time one native-forward decode step of a tiny random Gemma 3 with 18 layers (the default
-model's depth): the Python cost around the kernels per step, e.g. the boundary's checks.
+model's depth): the Python cost around the kernels per step, e.g. the boundary's checks. Every
+layer in one C call (step.c), then a layer at a time (three calls a layer), in turn.
 
     .venv/bin/python benchmarks/probes/native_step_time.py      # best of 5 x 100 steps, in microseconds
 """
@@ -25,15 +26,18 @@ def main() -> None:
     cache = make_prompt_cache(model)
     model(mx.array([list(range(3, 200))]), cache=cache)
     token = mx.array([[5]])
-    for _ in range(20):
-        mx.eval(model(token, cache=cache))
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        for _ in range(100):
+    for one_call in (True, False):
+        forward.decode_in_one_call = one_call
+        for _ in range(20):
             mx.eval(model(token, cache=cache))
-        best = min(best, (time.perf_counter() - started) / 100)
-    print(f"layers {len(forward.layers)}: decode step {best * 1e6:.0f} us")
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(100):
+                mx.eval(model(token, cache=cache))
+            best = min(best, (time.perf_counter() - started) / 100)
+        how = "one call" if one_call else "a layer at a time"
+        print(f"layers {len(forward.layers)}, {how}: decode step {best * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
