@@ -162,10 +162,10 @@ def _random_layer(rng: np.random.Generator, dim: int, hidden: int = 32,
     return LayerArgs.build(shape, vectors, matrices, inv_freq)
 
 
-def test_decode_step_gives_the_per_layer_bits_and_checks_each_cache() -> None:
-    """step.c's decode_step: two layers, two rows (one over a cache in order, one over a full
-    ring buffer read from its oldest slot), against layer_pre / attention with a tail /
-    layer_post called a layer at a time; then calls it must refuse."""
+def test_step_layers_gives_the_per_layer_bits_and_checks_each_cache() -> None:
+    """step.c's step_layers on one-token blocks: two layers, two rows (one over a cache in
+    order, one over a full ring buffer read from its oldest slot), against layer_pre /
+    attention with a tail / layer_post called a layer at a time; then calls it must refuse."""
     kernels, rng = boundary.kernels(), np.random.default_rng(3)
     dim = 2 * native.vector_width()
     layers = [_random_layer(rng, dim) for _ in range(2)]
@@ -198,7 +198,7 @@ def test_decode_step_gives_the_per_layer_bits_and_checks_each_cache() -> None:
         kernels.layer_post(layer, expected, attended, scratch)
 
     got, qkv = x.copy(), np.zeros((2, rows, width), np.float32)
-    kernels.decode_step(step, caches, got, positions, qkv, scratch, attended)
+    kernels.step_layers(step, 0, 2, [1, 1], caches, got, positions, qkv, scratch, attended)
     assert np.array_equal(got, expected) and np.array_equal(qkv, qkv_expected)
     assert not np.array_equal(got, x)
 
@@ -211,11 +211,66 @@ def test_decode_step_gives_the_per_layer_bits_and_checks_each_cache() -> None:
     for bad, match in ((short, "slot"), (bad_dtype, "dtype"), (bad_rotation, "rotation"),
                        (caches[:3], "3 caches")):
         with pytest.raises(KernelCallError, match=match):
-            kernels.decode_step(step, bad, got, positions, qkv, scratch, attended)
+            kernels.step_layers(step, 0, 2, [1, 1], bad, got, positions, qkv, scratch,
+                                attended)
     with pytest.raises(KernelCallError, match="qkv"):
-        kernels.decode_step(step, caches, got, positions, qkv[:1], scratch, attended)
+        kernels.step_layers(step, 0, 2, [1, 1], caches, got, positions, qkv[:1], scratch,
+                            attended)
     with pytest.raises(KernelCallError, match="different widths"):
         boundary.StepArgs.build([layers[0], _random_layer(rng, dim, intermediate=64)], [1.0, 1.0])
+
+
+def test_step_layers_reads_a_ring_and_a_window_mask_as_the_updated_cache() -> None:
+    """A block of 3 rows over a full ring of 6 slots whose oldest key sits in slot 4 (a
+    sliding window of 6 after wrapping): the block reads the newest 5 old keys from the ring,
+    then its own 3, under a window mask. The reference is what the per-layer path runs after
+    mlx-lm's update: the 5 kept keys and the 3 new ones concatenated in order."""
+    kernels, rng = boundary.kernels(), np.random.default_rng(4)
+    dim = 2 * native.vector_width()
+    layer = _random_layer(rng, dim)
+    step = boundary.StepArgs.build([layer], [0.3])
+    rows, window, width = 3, 6, layer.width
+    ring_k, ring_v = (rng.standard_normal((1, 1, window, dim)).astype(np.float32)
+                      for _ in range(2))
+    offset, oldest_slot = 40, 4  # positions 34..39 in slots 4, 5, 0, 1, 2, 3
+    kept, first = window - 1, offset - (window - 1)
+    total = kept + rows
+    positions = np.arange(offset, offset + rows, dtype=np.int64)
+    key_positions = np.arange(first, first + total)
+    mask = ((key_positions[None, :] <= positions[:, None])
+            & (key_positions[None, :] > positions[:, None] - window))
+    mask4 = np.broadcast_to(mask, (1, 2, rows, total))
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+
+    got, qkv = x.copy(), np.zeros((1, rows, width), np.float32)
+    scratch = np.zeros((rows, 32 + 3 * 48), np.float32)
+    attended = np.zeros((rows, 2 * dim), np.float32)
+    cache = boundary.StepCache(ring_k, ring_v, total, first, (oldest_slot + 1) % window, window,
+                               native.MASK_BOOL, mask4)
+    kernels.step_layers(step, 0, 1, [rows], [cache], got, positions, qkv, scratch, attended)
+
+    expected, projected = x.copy(), np.zeros((rows, width), np.float32)
+    kernels.layer_pre(layer, expected, positions, projected, np.zeros((rows, 32), np.float32))
+    by_head = projected.reshape(1, rows, 4, dim).transpose(0, 2, 1, 3)
+    order = [(oldest_slot + 1 + t) % window for t in range(kept)]
+    keys = np.concatenate([ring_k[:, :, order], by_head[:, 2:3]], axis=2)
+    values = np.concatenate([ring_v[:, :, order], by_head[:, 3:4]], axis=2)
+    out = np.zeros((rows, 2 * dim), np.float32)
+    assert kernels.attention(by_head[:, :2], keys, values, native.FORM_F32, mask4,
+                             native.MASK_BOOL, out.reshape(1, rows, 2, dim).transpose(0, 2, 1, 3),
+                             0.3, 2, (np.array([first], np.int64), np.array([0], np.int64)))
+    kernels.layer_post(layer, expected, out, scratch)
+    assert np.array_equal(got, expected)
+
+    for bad, match in ((dict(ring=window - 1), "ring"), (dict(rotation=window), "rotation"),
+                       (dict(mask=mask4[:, :, :, :-1]), "mask"),
+                       (dict(mask_kind=native.MASK_CAUSAL), "mask kind")):
+        fields = dict(keys_buffer=ring_k, values_buffer=ring_v, keys=total, first=first,
+                      rotation=(oldest_slot + 1) % window, ring=window,
+                      mask_kind=native.MASK_BOOL, mask=mask4) | bad
+        with pytest.raises(KernelCallError, match=match):
+            kernels.step_layers(step, 0, 1, [rows], [boundary.StepCache(**fields)], got,
+                                positions, qkv, scratch, attended)
 
 
 def test_gated_delta_checks_heads_and_state() -> None:

@@ -233,6 +233,30 @@ def test_decode_in_one_call_gives_the_per_layer_bits(model_pair, family: str) ->
     assert np.array_equal(traces[0][1], traces[1][1])
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_prompt_chunks_in_one_call_give_the_per_layer_bits(model_pair, family: str) -> None:
+    """Prompt chunks over a cache that holds keys run every layer in one C call too: Gemma's
+    window of 64 wraps its ring buffers, and mlx-lm's update then keeps the newest 63 keys in
+    order before a chunk's own. Every position's logits are the per-layer path's, to the bit."""
+    fast, _ = model_pair(family)
+    forward = native_forward(fast.model)
+    prompt = np.random.default_rng(13).integers(3, 200, 330).tolist()
+    results = []
+    try:
+        for one_call in (True, False):
+            forward.decode_in_one_call = one_call
+            before = forward.one_call_steps
+            results.append(chunked_logits(fast.model, prompt, [37, 64, 1, 120, 9],
+                                          make_prompt_cache(fast.model)))
+            # A layer at a time: the first chunk (an empty cache) and, on Gemma, the one-token
+            # chunk (mlx-lm first cuts the window's buffer a longer chunk left wider back).
+            expected = (4 if family == "gemma3" else 5) if one_call else 0
+            assert forward.one_call_steps - before == expected
+    finally:
+        forward.decode_in_one_call = True
+    assert np.array_equal(results[0], results[1])
+
+
 def test_batched_decode_in_one_call_gives_the_per_layer_bits(model_pair) -> None:
     """The engine's continuous batch (each row its own cache) with every decode step in one C
     call, rows joining and leaving: each row's tokens and logprobs are the per-layer path's."""

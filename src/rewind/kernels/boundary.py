@@ -293,16 +293,21 @@ class StepArgs:
 
 @dataclass
 class StepCache:
-    """One row's KV cache in one layer as a decode step reads it: its buffers before the step
-    (NumPy views of the cache's evaluated float32 arrays [1, kv_heads, slots, D]) and, after
-    the step's one new key, `keys` keys with the oldest at absolute position `first` in slot
-    `rotation` (see cpu_attention.key_layout)."""
+    """One block's KV cache in one layer as a step reads it: its buffers before the step (NumPy
+    views of the cache's evaluated float32 arrays [1, kv_heads, slots, D]) and the `keys` keys
+    the block's attention reads, its own new ones last, the others from the buffers in order of
+    position from `first`, the oldest in slot `rotation` of a ring of `ring` slots (0: `keys`;
+    see cpu_attention.key_layout); `mask_kind` with `mask` [1, heads, rows, keys] (any strides)
+    for the array kinds."""
 
     keys_buffer: np.ndarray
     values_buffer: np.ndarray
     keys: int
     first: int
     rotation: int
+    ring: int = 0
+    mask_kind: int = native.MASK_NONE
+    mask: np.ndarray | None = None
 
 
 def _status(name: str, status: int) -> None:
@@ -381,54 +386,74 @@ class Kernels:
             checked(attended, "attended", _F32, (m, s.heads * s.head_dim)),
             checked(scratch, "scratch", _F32, (m, s.hidden + 3 * s.intermediate), writes=True)))
 
-    def decode_step(self, step: StepArgs, caches: list[StepCache], x: np.ndarray,
-                    positions: np.ndarray, qkv: np.ndarray, scratch: np.ndarray,
-                    attended: np.ndarray) -> None:
-        """x [m, H] through every layer of `step` in one call, one decode token a row at
-        `positions`: layer_pre, each row's attention over `caches` (layer-major: the m rows of
-        layer 0, then of layer 1, ...) plus its own new key and value, layer_post. qkv
-        [layers, m, width] keeps each layer's projections: the new keys and values for the
-        caches' updates. The same calls, in the same order, as layer_pre / attention /
+    def step_layers(self, step: StepArgs, first: int, stop: int, block_rows: list[int],
+                    caches: list[StepCache], x: np.ndarray, positions: np.ndarray,
+                    qkv: np.ndarray, scratch: np.ndarray, attended: np.ndarray) -> None:
+        """x [m, H] through layers [first, stop) of `step` in one call, blocks of
+        `block_rows` rows each attending over its own cache (`caches`, layer-major: every
+        block's entry for layer `first`, then for the next layer, ...): layer_pre, each block's
+        attention over its cache plus its own new keys and values, layer_post. qkv
+        [stop - first, m, width] keeps each layer's projections: the new keys and values for
+        the caches' updates. The same calls, in the same order, as layer_pre / attention /
         layer_post one layer at a time, so the same bits."""
         s = step.shape
-        H, I, D, kv = s.hidden, s.intermediate, s.head_dim, s.kv_heads
-        n_layers = len(step.layers)
+        H, I, D, kv, heads = s.hidden, s.intermediate, s.head_dim, s.kv_heads, s.heads
+        if not 0 <= first < stop <= len(step.layers) or not block_rows \
+                or min(block_rows) < 1:
+            raise KernelCallError(f"step: layers [{first}, {stop}) of {len(step.layers)}, "
+                                  f"blocks of {block_rows} rows")
+        n_layers, blocks = stop - first, len(block_rows)
         m = int(x.shape[0]) if getattr(x, "ndim", 0) == 2 else -1
-        if m < 1 or len(caches) != n_layers * m:
-            raise KernelCallError(f"decode step: {len(caches)} caches for {n_layers} layers of "
-                                  f"{m} rows")
+        if m != sum(block_rows) or len(caches) != n_layers * blocks:
+            raise KernelCallError(f"step: {len(caches)} caches and {m} rows for {n_layers} "
+                                  f"layers of blocks of {block_rows} rows")
         if D % self.vector_width:
-            raise KernelCallError(f"decode step: head size {D} is not whole vectors of "
+            raise KernelCallError(f"step: head size {D} is not whole vectors of "
                                   f"{self.vector_width}")
         width = step.layers[0].width
-        table = np.empty((len(caches), len(native.STEP_CACHE_FIELDS)), np.int64)
+        table = np.zeros((len(caches), len(native.STEP_CACHE_FIELDS)), np.int64)
         for index, cache in enumerate(caches):
+            rows = block_rows[index % blocks]
             keys, slots = cache.keys, -1
             if getattr(cache.keys_buffer, "ndim", 0) == 4:
                 slots = int(cache.keys_buffer.shape[2])
             shape = (1, kv, slots, D)
             k = checked(cache.keys_buffer, "k", _F32, shape, strided=True)
             v = checked(cache.values_buffer, "v", _F32, shape, strided=True)
-            rotation, from_buffer = cache.rotation, keys - 1
-            if keys < 1 or not 0 <= rotation < keys or abs(cache.first) >= 1 << 60:
-                raise KernelCallError(f"decode step: {keys} keys, rotation {rotation}, first "
-                                      f"position {cache.first}")
-            last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < keys else keys - 1
+            rotation, from_buffer = cache.rotation, keys - rows
+            ring = cache.ring or keys
+            if (from_buffer < 0 or ring < 1 or from_buffer > ring
+                    or not 0 <= rotation < ring or abs(cache.first) >= 1 << 60):
+                raise KernelCallError(f"step: {keys} keys for {rows} rows, rotation {rotation} "
+                                      f"of a ring of {ring}, first position {cache.first}")
+            last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < ring else ring - 1
             if from_buffer and last >= slots:
-                raise KernelCallError(f"decode step: key slot {last} of buffers of {slots}")
+                raise KernelCallError(f"step: key slot {last} of buffers of {slots}")
+            mask_address, mask_strides = 0, (0, 0, 0, 0)
+            if cache.mask_kind in (native.MASK_BOOL, native.MASK_ADD):
+                mask_dtype = np.dtype(np.bool_) if cache.mask_kind == native.MASK_BOOL else _F32
+                mask_address = checked(cache.mask, "mask", mask_dtype, (1, heads, rows, keys),
+                                       strided=True)
+                mask_strides = tuple(t // cache.mask.itemsize for t in cache.mask.strides)
+            elif cache.mask_kind not in (native.MASK_NONE, native.MASK_CAUSAL) \
+                    or cache.mask is not None:
+                raise KernelCallError(f"step: mask kind {cache.mask_kind} with "
+                                      f"{'a' if cache.mask is not None else 'no'} mask array")
             table[index] = (k, v, *(t // 4 for t in cache.keys_buffer.strides),
                             *(t // 4 for t in cache.values_buffer.strides), slots, keys,
-                            cache.first, rotation)
-        status = self._library.decode_step(
-            step.table, n_layers, table.ctypes.data,
+                            cache.first, rotation, cache.ring, cache.mask_kind, mask_address,
+                            *mask_strides)
+        rows_table = np.array(block_rows, np.int64)
+        status = self._library.step_layers(
+            step.table, first, stop, blocks, rows_table.ctypes.data, table.ctypes.data,
             checked(x, "x", _F32, (m, H), writes=True), m,
             checked(positions, "positions", _I64, (m,)),
             checked(qkv, "qkv", _F32, (n_layers, m, width), writes=True),
             checked(scratch, "scratch", _F32, (m, H + 3 * I), writes=True),
-            checked(attended, "attended", _F32, (m, s.heads * D), writes=True))
+            checked(attended, "attended", _F32, (m, heads * D), writes=True))
         if status == -2:
-            raise MemoryError("decode step: no memory for a kernel's scratch")
-        _status("decode_step", status)
+            raise MemoryError("step: no memory for a kernel's scratch")
+        _status("step_layers", status)
 
     def rows_rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float,
                       out: np.ndarray) -> None:

@@ -140,22 +140,68 @@ def _layout_after_one(cache: Any) -> tuple[int, tuple[int, int]]:
     return offset, (0, 0)
 
 
-def one_token_layout(cache: Any) -> tuple[int, int, int] | None:
-    """(keys, first position, rotation) a one-token update of `cache` will leave, for a cache
-    of one batch row whose update writes in place (see `_updates_in_place`) and whose float32
-    keys the kernels read; None for any other."""
+def tail_layout(cache: Any, rows: int) -> tuple[tuple[int, int, int, int],
+                                                  tuple[int, int, int]] | None:
+    """Where `rows` new keys of one batch row meet `cache` (float32 keys the kernels read), for
+    an attention that reads the cache's buffers as they are plus the new keys (a tail) before
+    the update: ((keys, first position, rotation, ring), (keys, first, rotation) the update will
+    leave, to check it against). `ring` is the slots the buffer wraps around (0: keys). None for
+    a cache whose update is not known here (the caller updates first, then attends).
+
+    One row: a cache whose update writes in place (`_updates_in_place`). Several: mlx-lm's
+    KVCache and Rewind's growing cache keep every key in order; a RotatingKVCache that keeps no
+    first tokens puts its keys in temporal order and keeps the newest max_size - 1 of them
+    before the new ones (mlx-lm's _update_concat), and its mask says which each row sees."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
     keys = getattr(cache, "keys", None)
-    if (not _updates_in_place(cache) or keys.dtype != mx.float32 or keys.ndim != 4
-            or keys.shape[0] != 1 or cache.values.dtype != mx.float32):
+    offset = getattr(cache, "offset", None)
+    if (not isinstance(keys, mx.array) or not isinstance(offset, int) or keys.dtype != mx.float32
+            or keys.ndim != 4 or keys.shape[0] != 1 or cache.values.dtype != mx.float32):
         return None
-    total, (first, rotation) = _layout_after_one(cache)
-    return total, first, rotation
+    if rows == 1:
+        if not _updates_in_place(cache):
+            return None
+        total, (first, rotation) = _layout_after_one(cache)
+        return (total, first, rotation, 0), (total, first, rotation)
+    if type(cache) is RotatingKVCache:
+        index, slots = cache._idx, int(keys.shape[2])
+        if cache.keep != 0 or not isinstance(index, int):
+            return None
+        # The buffer as mlx-lm's _temporal_order reads it: `held` keys, the oldest in slot `at`.
+        if index == slots:
+            held, at = slots, 0
+        elif index < offset:
+            held, at = slots, index
+        else:
+            held, at = index, 0
+        held = min(held, offset)
+        kept = min(held, cache.max_size - 1)
+        total, first = kept + rows, offset - kept
+        rotation = (at + held - kept) % held if held else 0
+        return (total, first, rotation, held), (total, first, 0)
+    if type(cache) is KVCache or getattr(type(cache), "updates_in_place", False) is True:
+        if int(keys.shape[2]) < offset:
+            return None
+        return (offset + rows, 0, 0, 0), (offset + rows, 0, 0)
+    return None
 
 
 def moved_as_foreseen(cache: Any, keys: mx.array, layout: tuple[int, int, int]) -> bool:
-    """Whether the update that returned `keys` left `cache` as `one_token_layout` foresaw."""
+    """Whether the update that returned `keys` left `cache` as `tail_layout` foresaw."""
     total, first, rotation = layout
     return int(keys.shape[2]) == total and _first_and_rotation(cache, total) == (first, rotation)
+
+
+def mask_for_kernel(mask: Any, heads: int, rows: int, keys: int) -> tuple[int, Any] | None:
+    """(mask kind, [1, heads, rows, keys] host view or None) for one block's mask as mlx-lm
+    built it; None where its shape does not fit `keys`."""
+    if mask is None or isinstance(mask, str):
+        return _mask_arguments(mask, (1, heads, rows, keys))
+    if mask.ndim < 1 or mask.shape[-1] != keys or (mask.ndim >= 2 and mask.shape[-2] not in (1, rows)):
+        return None
+    kind, array = _mask_arguments(mask, (1, heads, rows, keys))
+    return kind, host_view(array)
 
 
 def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: mx.array,

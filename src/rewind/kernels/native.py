@@ -89,7 +89,7 @@ class Attention(ctypes.Structure):
                 ("kpos", ctypes.c_void_p), ("krot", ctypes.c_void_p),
                 ("tail", ctypes.c_int64), ("S_buf", ctypes.c_int64),
                 ("tk", ctypes.c_void_p), ("tv", ctypes.c_void_p),
-                ("ts", Strides4), ("tvs", Strides4)]
+                ("ts", Strides4), ("tvs", Strides4), ("ring", ctypes.c_int64)]
 
 
 MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3
@@ -97,7 +97,8 @@ MASK_NONE, MASK_CAUSAL, MASK_BOOL, MASK_ADD = 0, 1, 2, 3
 # step.c's StepCache, as a row of int64 (addresses included): the boundary fills a NumPy table
 # of them, one row per cache a step reads.
 STEP_CACHE_FIELDS = ("k", "v", "ks0", "ks1", "ks2", "ks3", "vs0", "vs1", "vs2", "vs3",
-                     "S_buf", "S", "kpos", "krot")
+                     "S_buf", "S", "kpos", "krot", "ring", "mask_kind", "mask",
+                     "ms0", "ms1", "ms2", "ms3")
 
 
 class StepLayer(ctypes.Structure):
@@ -201,9 +202,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attention.argtypes = [ctypes.POINTER(Attention)]
     lib.gated_delta.argtypes = [ctypes.POINTER(GatedDelta)]
     lib.quant_amx.argtypes = [ctypes.c_int]
-    lib.decode_step.argtypes = [ctypes.POINTER(StepLayer), i64, p, p, i64, p, p, p, p]
+    lib.step_layers.argtypes = [ctypes.POINTER(StepLayer), i64, i64, i64, p, p, p, i64, p, p,
+                                p, p]
     for name in ("quant_amx", "matrix_product", "dequantize_rows", "layer_pre", "layer_post",
-                 "rows_rms_norm", "attention", "gated_delta", "decode_step"):
+                 "rows_rms_norm", "attention", "gated_delta", "step_layers"):
         getattr(lib, name).restype = ctypes.c_int
 
 

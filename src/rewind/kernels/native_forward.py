@@ -45,8 +45,8 @@ import numpy as np
 from rewind.kernels import native
 from rewind.kernels.boundary import (Kernels, KernelCallError, LayerArgs, MatrixArgs, StepArgs,
                                      StepCache)
-from rewind.kernels.cpu_attention import (attention_into, decode_attention_into,
-                                          moved_as_foreseen, one_token_layout)
+from rewind.kernels.cpu_attention import (attention_into, decode_attention_into, mask_for_kernel,
+                                          moved_as_foreseen, tail_layout)
 from rewind.kernels.host_view import host_view
 from rewind.kernels.model_split import forget_split, split_model
 from rewind.kernels.object_table import ObjectTable
@@ -527,7 +527,7 @@ class NativeForward:
         depend on which others ran beside it, nor on where its layers were split into calls."""
         if not blocks:
             return
-        if self.decode_in_one_call and self._decode_step(blocks):
+        if self.decode_in_one_call and self._step_in_one_call(blocks):
             return
         k = self._kernels
         first_layer = min(block.done for block, _ in blocks)
@@ -569,58 +569,80 @@ class NativeForward:
         if pending:
             mx.async_eval(pending)
 
-    def _decode_step(self, blocks: list[tuple["RowsInFlight", int]]) -> bool:
-        """`advance` for a step of decode rows only (one token each, through every layer, each
-        row its own cache taking a one-token update in place, no mask): every layer in one C
-        call, then the caches' updates queued. False (nothing done) for any other step."""
-        step, n_layers = self.step, len(self.layers)
-        if step is None or any(block.done or stop != n_layers or block.rows != 1
-                               or block.batch != 1 or not block.cache
-                               or any(mask is not None for mask in block.masks.values())
-                               for block, stop in blocks):
+    def _step_in_one_call(self, blocks: list[tuple["RowsInFlight", int]]) -> bool:
+        """`advance` in one C call (step.c) where every block passes the same layers, is one
+        batch row over its own cache, and every cache's update is one `tail_layout` knows
+        (decode rows, drafts to verify, prompt chunks over a cache that holds keys): then the
+        caches' updates, queued. False (nothing done) for any other step."""
+        step = self.step
+        first, stop = blocks[0][0].done, blocks[0][1]
+        if step is None or stop <= first or any(
+                block.done != first or block_stop != stop or block.batch != 1 or not block.cache
+                or (block.length == 1 and any(mask is not None for mask in block.masks.values()))
+                for block, block_stop in blocks):
             return False
-        layouts: list[tuple[int, int, int]] = []
-        for index in range(n_layers):
+        layer0 = self.layers[first]
+        heads = layer0.heads
+        entries: list[StepCache] = []
+        checks: list[tuple[int, int, int]] = []
+        for index in range(first, stop):
+            sliding = self.layers[index].sliding
             for block, _ in blocks:
-                layout = one_token_layout(block.cache[index])
+                cache = block.cache[index]
+                layout = tail_layout(cache, block.length)
                 if layout is None:
                     return False
-                layouts.append(layout)
-        rows = len(blocks)
-        layer = self.layers[0]
-        # Views of each cache's buffers as they are (evaluating the last step's queued updates),
-        # held until the call returns and dropped before the updates, which then write in place.
-        caches = [StepCache(host_view(cache.keys), host_view(cache.values), *layout)
-                  for cache, layout in zip((block.cache[index] for index in range(n_layers)
-                                            for block, _ in blocks), layouts)]
-        x = blocks[0][0].x if rows == 1 else np.concatenate([block.x for block, _ in blocks])
-        positions = (blocks[0][0].positions if rows == 1
+                (total, position, rotation, ring), after = layout
+                mask = mask_for_kernel(block.masks[sliding], heads, block.length, total)
+                if mask is None:
+                    return False
+                # Views of the buffers as they are (evaluating the last step's queued updates),
+                # held until the call returns and dropped before the updates, which may then
+                # write in place.
+                entries.append(StepCache(host_view(cache.keys), host_view(cache.values), total,
+                                         position, rotation, ring, mask[0], mask[1]))
+                checks.append(after)
+        rows = sum(block.rows for block, _ in blocks)
+        x = blocks[0][0].x if len(blocks) == 1 else np.concatenate([b.x for b, _ in blocks])
+        positions = (blocks[0][0].positions if len(blocks) == 1
                      else np.concatenate([block.positions for block, _ in blocks]))
-        size = n_layers * rows * layer.width
+        size = (stop - first) * rows * layer0.width
         if self._step_qkv.size < size:
             self._step_qkv = np.empty(size, np.float32)
-        qkv = self._step_qkv[:size].reshape(n_layers, rows, layer.width)
-        _, scratch, attended = self._buffers(rows, layer)
-        self._kernels.decode_step(step, caches, x, positions, qkv, scratch, attended)
-        del caches
-        heads, kv, dim = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim, layer.head_dim
+        qkv = self._step_qkv[:size].reshape(stop - first, rows, layer0.width)
+        _, scratch, attended = self._buffers(rows, layer0)
+        self._kernels.step_layers(step, first, stop, [block.rows for block, _ in blocks],
+                                  entries, x, positions, qkv, scratch, attended)
+        del entries
+        q_width, kv_width = heads * layer0.head_dim, layer0.kv_heads * layer0.head_dim
         pending: list[mx.array] = []
         at = 0
-        for index in range(n_layers):
-            for row, (block, _) in enumerate(blocks):
-                cache, projected = block.cache[index], qkv[index, row]
+        for index in range(first, stop):
+            row = 0
+            for block, _ in blocks:
+                cache = block.cache[index]
+                projected = qkv[index - first, row:row + block.rows]
+                # [1, kv_heads, rows, D] copies of the new keys and values (NumPy views in).
+                shape = (block.rows, -1, layer0.head_dim)
                 keys, values = cache.update_and_fetch(
-                    mx.array(projected[heads:heads + kv].reshape(1, -1, 1, dim)),
-                    mx.array(projected[heads + kv:].reshape(1, -1, 1, dim)))
-                if not moved_as_foreseen(cache, keys, layouts[at]):
+                    mx.array(projected[:, q_width:q_width + kv_width].reshape(shape)
+                             .transpose(1, 0, 2)[None]),
+                    mx.array(projected[:, q_width + kv_width:].reshape(shape)
+                             .transpose(1, 0, 2)[None]))
+                if not moved_as_foreseen(cache, keys, checks[at]):
                     raise RuntimeError(f"layer {index}'s {type(cache).__name__} moved otherwise "
-                                       "than a one-token update does")
+                                       f"than foreseen for {block.rows} new keys")
+                # A decode row's update is evaluated with the others after the step; a longer
+                # block's concatenation too (nothing reads it before the next step).
                 pending += [keys, values]
                 at += 1
-        for row, (block, _) in enumerate(blocks):
-            if rows > 1:
-                block.x[...] = x[row:row + 1]
-            block.done = n_layers
+                row += block.rows
+        row = 0
+        for block, _ in blocks:
+            if len(blocks) > 1:
+                block.x[...] = x[row:row + block.rows]
+            row += block.rows
+            block.done = stop
         mx.async_eval(pending)
         self.one_call_steps += 1
         return True

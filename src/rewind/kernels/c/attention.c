@@ -162,8 +162,9 @@ static inline int64_t first_position(const Attention *a, int64_t b) {
 }
 static inline int64_t buffer_index(const Attention *a, int64_t b, int64_t t) {
   if (!a->krot) return t;
+  const int64_t ring = a->ring > 0 ? a->ring : a->S;
   int64_t j = a->krot[b] + t;
-  return j >= a->S ? j - a->S : j;
+  return j >= ring ? j - ring : j;
 }
 
 /* Merges one span's partial softmax (m, l, acc) into the running (M, L, Acc) of a row. One
@@ -241,13 +242,17 @@ static void attention_item(const void *arg, int64_t item) {
       const int64_t c_lo = pos0 > P ? pos0 - P : 0, c_hi = min64(KB, p1 - P);
       if (c_lo >= c_hi) continue;
       const int64_t n = c_hi - c_lo;
-      int64_t at[KB]; /* buffer index of each present key */
-      for (int64_t c = 0; c < n; ++c) at[c] = buffer_index(a, b, P + c_lo + c - pos0);
+      int64_t at[KB];  /* buffer index of each present key */
+      int64_t col[KB]; /* its mask column: its slot, or with a ring its place in position order */
+      for (int64_t c = 0; c < n; ++c) {
+        at[c] = buffer_index(a, b, P + c_lo + c - pos0);
+        col[c] = a->ring > 0 ? P + c_lo + c - pos0 : at[c];
+      }
       if (a->mask_kind == MASK_BOOL) { /* skip a block no row may see */
         int any = 0;
         for (int64_t r = 0; r < rows && !any; ++r)
           for (int64_t c = 0; c < n && !any; ++c)
-            any = mask_allows(a, b, g * rep + r % rep, q0 + r / rep, at[c]);
+            any = mask_allows(a, b, g * rep + r % rep, q0 + r / rep, col[c]);
         if (!any) continue;
       }
       for (int64_t c = 0; c < n; ++c) {
@@ -274,11 +279,11 @@ static void attention_item(const void *arg, int64_t item) {
             if (P + c > limit) sr[c] = -INFINITY;
         } else if (a->mask_kind == MASK_BOOL) {
           for (int64_t c = c_lo; c < c_hi; ++c)
-            if (!mask_allows(a, b, head, i, at[c - c_lo])) sr[c] = -INFINITY;
+            if (!mask_allows(a, b, head, i, col[c - c_lo])) sr[c] = -INFINITY;
         } else if (a->mask_kind == MASK_ADD) {
           const int64_t *ms = a->ms;
           const float *mr = (const float *)a->mask + b * ms[0] + head * ms[1] + i * ms[2];
-          for (int64_t c = c_lo; c < c_hi; ++c) sr[c] += mr[at[c - c_lo] * ms[3]];
+          for (int64_t c = c_lo; c < c_hi; ++c) sr[c] += mr[col[c - c_lo] * ms[3]];
         }
         float best = -INFINITY;
         for (int64_t c = 0; c < KB; ++c) best = sr[c] > best ? sr[c] : best;
@@ -348,10 +353,12 @@ int attention(const Attention *a) {
   if (a->tail < 0 || a->tail > a->S || a->S_buf < 0 ||
       (a->tail > 0 && (!a->tk || !a->tv || a->ts[3] != 1 || a->tvs[3] != 1)))
     return -1;
+  const int64_t ring = a->ring > 0 ? a->ring : a->S;
+  if (a->S - a->tail > ring) return -1;
   for (int64_t b = 0; b < a->B; ++b) { /* every key read from the buffer lies in it */
     const int64_t rot = a->krot ? a->krot[b] : 0, n = a->S - a->tail;
-    if (rot < 0 || rot >= a->S) return -1;
-    if (n > 0 && (rot + n - 1 < a->S ? rot + n - 1 : a->S - 1) >= a->S_buf) return -1;
+    if (rot < 0 || rot >= ring) return -1;
+    if (n > 0 && (rot + n - 1 < ring ? rot + n - 1 : ring - 1) >= a->S_buf) return -1;
   }
   Plan plan = {.a = a, .rep = a->heads / a->kv_heads};
   plan.per_block = plan.rep >= ROWS_MAX ? 1 : ROWS_MAX / plan.rep;

@@ -30,6 +30,11 @@ typedef struct {
   int64_t tail, S_buf;
   const void *tk, *tv;
   int64_t ts[4], tvs[4];
+  /* The buffer's ring: slots the buffer's keys wrap around (0: S). A call that reads a ring of
+     W slots plus a tail of several keys holds S > W keys (step.c's steps of several rows).
+     Mask columns are buffer slots when ring is 0 (mlx-lm rolls a decode step's window mask so),
+     and keys in order of position when it is set (the order after mlx-lm's update). */
+  int64_t ring;
 } Attention;
 
 /* 0, -1 for shapes it does not take, -2 when memory for its scratch ran out. */
