@@ -159,7 +159,8 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
     result not depending on its neighbours (cached against uncached, batched against alone).
     One row reads the stored blocks; 3 a tile of them; 7 and 37 (more than two AMX tiles of
     16, the last one part-filled) read strips on the VNNI build, through AMX where the CPU
-    has it and through broadcast vpdpbusd with AMX off."""
+    has it and the rule takes it, through broadcast vpdpbusd otherwise, and the stored blocks
+    in passes of 4 when strips are held back."""
     rng = np.random.default_rng(13)
     cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 96
     matrix = MatrixArgs.build(random_blocks(name, 37, cols, rng),
@@ -167,9 +168,23 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
     x = rng.standard_normal((37, cols)).astype(np.float32)
     for isa in ISAS:
         alone = np.concatenate([product(isa, matrix, x[row:row + 1]) for row in range(37)])
-        for m in (3, 7, 37):
-            np.testing.assert_array_equal(product(isa, matrix, x[:m]), alone[:m], err_msg=f"{isa} {m}")
         lib = native.load_isa(isa)
+        # The VNNI build's paths for rows together: the measured rule (AMX for k-quants from 16
+        # rows, VNNI strips otherwise), AMX for every type, VNNI strips only, stored blocks only.
+        settings = [("measured", 4)]
+        if isa == "avx512vnni":
+            settings += [("all", 4), ("none", 4), ("measured", 1 << 20)]
+        for rule, strips_above in settings:
+            native.set_amx_rule(lib, rule)
+            native.set_strips_above(lib, strips_above)
+            try:
+                for m in (3, 7, 37):
+                    np.testing.assert_array_equal(product(isa, matrix, x[:m]), alone[:m],
+                                                  err_msg=f"{isa} {m} rows, AMX {rule}, "
+                                                          f"strips above {strips_above}")
+            finally:
+                native.set_amx_rule(lib, "measured")
+                native.set_strips_above(lib, 4)
         if native.amx_in_use(lib):
             native.set_amx(lib, False)
             try:

@@ -202,9 +202,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attention.argtypes = [ctypes.POINTER(Attention)]
     lib.gated_delta.argtypes = [ctypes.POINTER(GatedDelta)]
     lib.quant_amx.argtypes = [ctypes.c_int]
+    lib.quant_strips_above.argtypes = [ctypes.c_int]
+    lib.quant_amx_rule.argtypes = [ctypes.c_int]
     lib.step_layers.argtypes = [ctypes.POINTER(StepLayer), i64, i64, i64, p, p, p, i64, p, p,
                                 p, p]
-    for name in ("quant_amx", "matrix_product", "dequantize_rows", "layer_pre", "layer_post",
+    for name in ("quant_amx", "quant_strips_above", "quant_amx_rule", "matrix_product", "dequantize_rows", "layer_pre", "layer_post",
                  "rows_rms_norm", "attention", "gated_delta", "step_layers"):
         getattr(lib, name).restype = ctypes.c_int
 
@@ -280,6 +282,22 @@ def set_amx(lib: ctypes.CDLL, wanted: bool) -> bool:
     """Turns `lib`'s AMX products on or off (they give the same bits either way); returns
     whether they are on."""
     return bool(lib.quant_amx(int(wanted)))
+
+
+AMX_RULES = {"measured": 0, "all": 1, "none": 2}  # quant.c's quant_amx_rule
+
+
+def set_amx_rule(lib: ctypes.CDLL, rule: str) -> None:
+    """Which GGUF products take AMX tiles where AMX is on: "measured" (k-quants from 16
+    activation rows, the default), "all" strips, "none". The same bits either way; for
+    measuring (benchmarks/probes/strips_rule.py)."""
+    lib.quant_amx_rule(AMX_RULES[rule])
+
+
+def set_strips_above(lib: ctypes.CDLL, rows: int) -> None:
+    """The activation rows above which AVX512-VNNI GGUF products take strips (4, the default,
+    and up; at or below, the stored blocks). The same bits either way; for measuring."""
+    lib.quant_strips_above(max(4, int(rows)))
 
 
 def int8_rows(weight: Any, chunk_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:

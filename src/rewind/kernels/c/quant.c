@@ -19,6 +19,7 @@
    every product with quant512.h's one formula over groups of 16 weight rows (strips, VNNI and
    AMX for prefill rows), and agree with each other to the bit. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -606,7 +607,26 @@ static void qmatvec_block(const void *arg, int64_t claim) {
   }
 }
 int quant_amx(int want) { (void)want; return 0; }
+/* The AVX2 build has no strips and no AMX: every product takes its tiles. */
+int quant_amx_rule(int rule) { (void)rule; return 0; }
+int quant_strips_above(int rows) { (void)rows; return 0; }
 #else
+/* Activation rows above which a product goes through strips (AVX512-VNNI builds); at or below,
+   the stored blocks' path, a pass of NR_MAX rows at a time over weights unpacked once. Both give
+   the same bits: only their speed differs (benchmarks/probes/strips_rule.py). */
+static _Atomic int strips_above = NR_MAX;
+static _Atomic int amx_rule = 0; /* quant_amx_rule's */
+
+int quant_amx_rule(int rule) {
+  if (rule >= 0 && rule <= 2) atomic_store(&amx_rule, rule);
+  return atomic_load(&amx_rule);
+}
+
+int quant_strips_above(int rows) {
+  if (rows >= NR_MAX) atomic_store(&strips_above, rows);
+  return atomic_load(&strips_above);
+}
+
 #include "quant512.h"
 #endif
 
@@ -666,7 +686,7 @@ int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int6
   QJob job = {.nparts = nparts, .y = y, .ldy = ldy, .m = m, .in = in};
   uint8_t *xs = NULL, *xsk = NULL;
 #ifdef __AVX512VNNI__
-  if (m > NR_MAX) {
+  if (m > atomic_load(&strips_above)) {
     const int64_t m16 = (m + 15) / 16 * 16;
     xs = kinds[0] ? unsigned_rows(q8, q8_bytes, m, m16, in, 0) : NULL;
     xsk = kinds[1] ? unsigned_rows(q8k, q8k_bytes, m, m16, in, 1) : NULL;

@@ -35,4 +35,12 @@ int qmatvec_parts(const QPart *parts, int nparts, const float *x, float *y, int6
    whether they are on (want -1: only asks). Off until asked. */
 int quant_amx(int want);
 
+/* The activation rows above which AVX512-VNNI products take strips (rows >= 4 sets it; any
+   other value only asks). The same bits either way. */
+int quant_strips_above(int rows);
+
+/* Which products take AMX where it is on: 0 the measured rule (k-quants from 16 rows), 1 all
+   strips, 2 none; any other value only asks. The same bits either way. */
+int quant_amx_rule(int rule);
+
 #endif

@@ -395,6 +395,11 @@ static void stripk_vnni(const StripK *s, int nw, const StripActs *x, int64_t r0,
 /* ---- AMX ---------------------------------------------------------------------------------- */
 
 #define AMX_ROWS 16 /* activation rows of a tile */
+/* AMX only for k-quants and a full tile of rows or more: a 32-value type's float scale every
+   block leaves the tile unit after every TDPBUSD, and VNNI strips measured faster there at any
+   row count (the default model's Q8_0 head: 85 against 106 ms at 128 rows); k-quants gain from
+   about 16 rows (benchmarks/results/gguf-in-place/xeon/strips-amx-2026-12-05.md). */
+#define AMX_MIN_ROWS 16
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
 
 typedef struct {
@@ -575,6 +580,16 @@ static void *claim_strip512(size_t bytes) {
 }
 #endif
 
+#ifdef __AVX512VNNI__
+/* Where AMX tiles beat VNNI strips for a product of m activation rows (quant.c's amx_rule 0;
+   1: AMX wherever it is on, 2: never, for measuring). */
+static inline int amx_pays(int k_quant, int64_t m) {
+  const int rule = atomic_load(&amx_rule);
+  if (rule) return rule == 1;
+  return k_quant && m >= AMX_MIN_ROWS;
+}
+#endif
+
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
   int64_t start, end;
@@ -589,7 +604,7 @@ static void qmatvec_block(const void *arg, int64_t claim) {
     if (strip) {
       const StripActs acts = {k ? j->xsk : j->xs, j->in, part->xq, part->xq_row_bytes};
       const int sub = sub_values(part->type), has_min = part->type == GGML_Q4_1 || part->type == GGML_Q5_1;
-      const int amx = atomic_load(&amx_on);
+      const int amx = atomic_load(&amx_on) && amx_pays(k, j->m);
       for (int g = 0; g < groups; ++g) {
         const int nw = (int)(end - start - g * GROUP < GROUP ? end - start - g * GROUP : GROUP);
         void *s = strip + g * per_group;
