@@ -4,7 +4,10 @@ A speculative step feeds a row its next input and k drafted tokens in one call, 
 many as the model agreed with. The rest must leave the cache as if they were never fed:
 - full attention (KVCache, GrowingKVCache, QuantizedKVCache): the rows past the offset are dead,
   the next update writes over them, so lowering the offset is the whole rollback (mlx-lm's trim);
-- a sliding window (RotatingKVCache): a multi-token update leaves the buffer in temporal order,
+- a sliding window whose block was written into its full ring in place
+  (rewind.cache.window_blocks, the CPU kernels' steps): the rejected keys' slots get their old
+  keys back;
+- a sliding window (RotatingKVCache) otherwise: a multi-token update leaves the buffer in temporal order,
   the last `window - 1` keys before the call followed by the call's keys (mlx-lm's
   `_update_concat`), so the rejected keys are the buffer's last rows: cutting them off leaves
   exactly the buffer a call of the accepted tokens alone would have left. mlx-lm's own trim
@@ -20,6 +23,7 @@ from typing import Any
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from rewind.cache.kv import GrowingKVCache
+from rewind.cache.window_blocks import give_back, held_block
 
 _TRIMMED = (KVCache, GrowingKVCache, QuantizedKVCache)
 
@@ -41,18 +45,26 @@ def roll_back(layers: list[Any], tokens: int) -> None:
     cache that cannot, before changing any layer."""
     if tokens < 0:
         raise ValueError(f"cannot roll back {tokens} tokens")
-    if tokens == 0:
-        return
     flat = list(_flatten(layers))
+    if tokens == 0:
+        for layer in flat:  # forget the keys a block wrote over: they stay written
+            give_back(layer, 0)
+        return
     for layer in flat:
         if not _rolls_back(layer):
             raise ValueError(f"a {type(layer).__name__} cannot give tokens back")
         if layer.offset < tokens:
             raise ValueError(f"a cache of {layer.offset} tokens cannot give back {tokens}")
-        if type(layer) is RotatingKVCache and layer._idx != layer.keys.shape[2]:
+        block = held_block(layer)
+        if block and tokens > block:
+            raise ValueError(f"a window's block of {block} keys cannot give back {tokens}")
+        if (type(layer) is RotatingKVCache and layer._idx != layer.keys.shape[2]
+                and not block):
             raise ValueError("a sliding-window cache rolls back only right after a "
                              "multi-token update")
     for layer in flat:
+        if give_back(layer, tokens):  # a block written into a full window in place
+            continue
         if type(layer) is RotatingKVCache:
             kept = layer._idx - tokens
             layer.keys = layer.keys[..., :kept, :]

@@ -581,10 +581,15 @@ class NativeForward:
                 or (block.length == 1 and any(mask is not None for mask in block.masks.values()))
                 for block, block_stop in blocks):
             return False
+        from rewind.cache.window_blocks import block_slots, takes_in_place, write_in_place
+
         layer0 = self.layers[first]
         heads = layer0.heads
         entries: list[StepCache] = []
         checks: list[tuple[int, int, int]] = []
+        # Per entry: the keys and values a block will write over in a full window's ring (it
+        # goes in place: rewind.cache.window_blocks), else None (the cache's own update).
+        overwritten: list[tuple[np.ndarray, np.ndarray] | None] = []
         for index in range(first, stop):
             sliding = self.layers[index].sliding
             for block, _ in blocks:
@@ -599,9 +604,18 @@ class NativeForward:
                 # Views of the buffers as they are (evaluating the last step's queued updates),
                 # held until the call returns and dropped before the updates, which may then
                 # write in place.
-                entries.append(StepCache(host_view(cache.keys), host_view(cache.values), total,
-                                         position, rotation, ring, mask[0], mask[1]))
+                keys_view, values_view = host_view(cache.keys), host_view(cache.values)
+                saved = None
+                if block.length > 1 and takes_in_place(cache, block.length):
+                    slots = block_slots(cache, block.length)
+                    saved = (keys_view[:, :, slots], values_view[:, :, slots])  # copies
+                    size = cache.max_size
+                    after = (size, cache.offset + block.length - size, (slots[-1] + 1) % size)
+                entries.append(StepCache(keys_view, values_view, total, position, rotation,
+                                         ring, mask[0], mask[1]))
                 checks.append(after)
+                overwritten.append(saved)
+                del keys_view, values_view
         rows = sum(block.rows for block, _ in blocks)
         x = blocks[0][0].x if len(blocks) == 1 else np.concatenate([b.x for b, _ in blocks])
         positions = (blocks[0][0].positions if len(blocks) == 1
@@ -624,11 +638,14 @@ class NativeForward:
                 projected = qkv[index - first, row:row + block.rows]
                 # [1, kv_heads, rows, D] copies of the new keys and values (NumPy views in).
                 shape = (block.rows, -1, layer0.head_dim)
-                keys, values = cache.update_and_fetch(
-                    mx.array(projected[:, q_width:q_width + kv_width].reshape(shape)
-                             .transpose(1, 0, 2)[None]),
-                    mx.array(projected[:, q_width + kv_width:].reshape(shape)
-                             .transpose(1, 0, 2)[None]))
+                new_keys = mx.array(projected[:, q_width:q_width + kv_width].reshape(shape)
+                                    .transpose(1, 0, 2)[None])
+                new_values = mx.array(projected[:, q_width + kv_width:].reshape(shape)
+                                      .transpose(1, 0, 2)[None])
+                if overwritten[at] is not None:
+                    keys, values = write_in_place(cache, new_keys, new_values, *overwritten[at])
+                else:
+                    keys, values = cache.update_and_fetch(new_keys, new_values)
                 if not moved_as_foreseen(cache, keys, checks[at]):
                     raise RuntimeError(f"layer {index}'s {type(cache).__name__} moved otherwise "
                                        f"than foreseen for {block.rows} new keys")
