@@ -110,3 +110,30 @@ def _slow_continuation(tokens: list[int], limit: int) -> list[int]:
             if tokens[end - n:end] == suffix:
                 return tokens[end:end + limit]
     return []
+
+
+def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
+    """A row the model mostly agrees with drafts long alone and still drafts beside two other
+    rows; one it agrees with about half the time drafts a few tokens alone and none beside
+    others (the whole batch would wait for positions it is not expected to keep) until its
+    evidence fades; one it mostly disagrees with does not draft."""
+    from rewind.engine.speculation import ROW_COST, RowDrafts, Speculator
+
+    def row(agreed: float, disagreed: float) -> RowDrafts:
+        return RowDrafts(NgramIndex([1, 2, 3]), agreed=agreed, disagreed=disagreed)
+
+    agreeing, middling, doubtful = row(90, 10), row(3, 5), row(1, 12)
+    alone, three = (1.0, 1.0), (3.0, 1 + 2 * ROW_COST)
+    assert Speculator.worth_drafting(agreeing, 16, *alone)[0] >= 8
+    assert Speculator.worth_drafting(agreeing, 16, *three)[0] >= 4
+    assert 0 < Speculator.worth_drafting(middling, 16, *alone)[0] <= 4
+    assert Speculator.worth_drafting(middling, 16, *three)[0] == 0
+    assert Speculator.worth_drafting(doubtful, 16, *alone)[0] == 0
+    # Held back, a row's evidence fades toward the prior until it drafts again.
+    held_back = 0
+    while not Speculator.worth_drafting(middling, 16, *three)[0]:
+        held_back += 1
+    assert 3 <= held_back <= 40
+    # Never more than was found, and a step's rate only grows.
+    length, tokens, cost = Speculator.worth_drafting(agreeing, 3, *three)
+    assert 0 < length <= 3 and tokens / cost > three[0] / three[1]

@@ -218,6 +218,32 @@ def test_a_request_that_opts_out_decodes_one_token_a_step(tiny_loaded):
     assert usage.drafted_tokens == 0 and usage.accepted_tokens == 0
 
 
+def test_auto_drafts_where_drafts_are_kept_and_holds_back_where_they_are_not(tiny_loaded):
+    """`auto` weighs a draft's positions against the tokens its row is expected to keep: alone,
+    on a prompt that repeats itself, it drafts and keeps drafts; three rows at once whose drafts
+    keep failing (random prompts) feed fewer drafted tokens than `suffix`, which feeds every
+    draft it finds, since the whole batch waits for each drafted position. The answers are the
+    same either way."""
+    loaded = tiny_loaded("llama")
+    rng = random.Random(5)
+    motif = [rng.randrange(10, 400) for _ in range(24)]
+    randoms = random_prompts(loaded, [150, 170, 190])
+    out = {}
+    for mode in ("auto", "suffix"):
+        with Engine(loaded, EngineConfig(parallel=3, speculative=mode)) as engine:
+            counters = engine._scheduler.speculator.counters
+            alone = answers(engine, [GenerationRequest(motif * 6, params(engine, 60))])
+            kept_alone = counters.accepted_tokens
+            drafted_before = counters.drafted_tokens
+            together = answers(engine, [GenerationRequest(p, params(engine, 60))
+                                        for p in randoms])
+            out[mode] = (alone, together, kept_alone, counters.drafted_tokens - drafted_before)
+    assert [a[0] for a in out["auto"][0] + out["auto"][1]] == \
+        [a[0] for a in out["suffix"][0] + out["suffix"][1]]
+    assert out["auto"][2] >= 10
+    assert out["auto"][3] < out["suffix"][3], (out["auto"][2:], out["suffix"][2:])
+
+
 def test_a_bad_mode_is_refused():
     with pytest.raises(ValueError, match="speculative must be one of auto, off, ngram, suffix"):
         EngineConfig(speculative="eagle")

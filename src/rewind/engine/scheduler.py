@@ -94,7 +94,8 @@ class Scheduler:
             self.pipeline = False
         self.speculator: Speculator | None = (
             None if mode == "off" else Speculator(mode, config.speculative_max_draft,
-                                                  config.speculative_step_tokens))
+                                                  config.speculative_step_tokens,
+                                                  weighs_cost=config.speculative == "auto"))
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
         # Counters come in from a scheduler before this one where the engine restarted: they
         # carry on, and the emission counts into the same object.

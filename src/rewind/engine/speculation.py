@@ -19,7 +19,10 @@ When it does not pay it is off:
   `max_draft`), else one longer than what was accepted; after `MISSES_TO_PAUSE` drafts with
   nothing accepted in a row, the row stops drafting for a number of steps that doubles with
   each further miss (to PAUSE_STEPS_MAX);
-- per step: at most `step_tokens` drafted tokens over all rows, each step another row first;
+- per step: at most `step_tokens` drafted tokens over all rows, each step another row first,
+  and with `auto` a row feeds only as much of its draft as raises the step's expected tokens a
+  unit of time (its acceptance so far against what its positions cost the whole batch:
+  `worth_drafting`); a mode named explicitly feeds every draft found;
 - per backend: only where rows decode on caches of their own through the CPU kernels (the
   runner's RowCaches), whose multi-position logits are exact; MLX's batched forward (GPUs, Metal)
   sums in another order for another row count, so `auto` is off there.
@@ -37,6 +40,19 @@ FIRST_DRAFT = 4
 MISSES_TO_PAUSE = 2
 PAUSE_STEPS_MAX = 64
 
+# What a step costs, in plain one-row steps, on the CPU kernels (measured on the 2-core Xeon of
+# issue 25 with `python benchmarks/probes/verify_cost.py --rows 1,3`, 1,024 tokens held per row,
+# at 1135dc3: benchmarks/results/verify-cost-xeon-window-blocks.md). A plain step of R rows
+# costs 1 + ROW_COST (R - 1); a row that drafts k tokens adds DRAFT_ROW_COST + DRAFT_TOKEN_COST k
+# (the row's extra positions through every product and the head over each of them). A draft
+# is worth its length only where the tokens it is expected to keep raise the step's tokens a
+# unit of time: the whole batch waits for the longer step.
+ROW_COST = 0.25
+DRAFT_ROW_COST = 0.3
+DRAFT_TOKEN_COST = 0.13
+PRIOR_AGREED = 4.0  # the acceptance estimate's prior: 4 agreed tokens to 1 disagreement
+FADE = 0.9  # the estimate's evidence kept each time a row is held back from drafting
+
 
 @dataclass
 class RowDrafts:
@@ -48,6 +64,25 @@ class RowDrafts:
     paused_until: int = 0  # the scheduler step before which it does not draft
     drafted: int = 0
     accepted: int = 0
+    # The evidence of the acceptance estimate: drafted tokens the model agreed with, and drafts
+    # that ended at one it did not; both fade while the row is held back from drafting, so a
+    # row's old misses do not keep it from ever drafting again.
+    agreed: float = 0.0
+    disagreed: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that the model agrees with a drafted token after agreeing with those
+        before it: agreed tokens over agreed tokens and first disagreements (the estimate for
+        drafts that stop at the first disagreement), from a prior of PRIOR_AGREED in
+        PRIOR_AGREED + 1: a prompt-lookup draft is usually right where text is copied (80% of
+        drafted tokens kept on `rewind bench edits`), and a row must draft to learn otherwise."""
+        return (self.agreed + PRIOR_AGREED) / (self.agreed + self.disagreed + PRIOR_AGREED + 1)
+
+    def expected_kept(self, length: int) -> float:
+        """Tokens a draft of `length` is expected to keep: p + p^2 + ... + p^length."""
+        p = self.acceptance
+        return p * (1 - p ** length) / (1 - p) if p < 1 else float(length)
 
 
 @dataclass
@@ -63,10 +98,13 @@ class Speculator:
     """Drafts for the rows of one engine's decode batch."""
 
     def __init__(self, mode: str, max_draft: int = 16, step_tokens: int = 32,
-                 pool_tokens: int = 65536) -> None:
+                 pool_tokens: int = 65536, weighs_cost: bool = True) -> None:
         if mode not in MODES or mode == "auto":
             raise ValueError(f"speculation mode must be one of ngram, suffix, not {mode!r}")
         self.mode = mode
+        # `auto` feeds only drafts expected to pay (`worth_drafting`); a mode named explicitly
+        # feeds every draft found, as long as its row's adaptive length allows.
+        self.weighs_cost = weighs_cost
         self.max_draft = max_draft
         self.step_tokens = step_tokens
         self.pool = DraftPool(pool_tokens) if mode == "suffix" else None
@@ -87,10 +125,40 @@ class Speculator:
             found = self.pool.continuation(tenant, context, limit)
         return found
 
+    def feed(self, drafts: RowDrafts, found: int, tokens: float, cost: float
+             ) -> tuple[int, float, float]:
+        """How much of a `found`-token draft a row feeds this step (`worth_drafting` where
+        this speculator weighs cost, else all of it), and the step's tokens and cost with it."""
+        if self.weighs_cost:
+            return self.worth_drafting(drafts, found, tokens, cost)
+        return found, tokens + drafts.expected_kept(found), \
+            cost + (DRAFT_ROW_COST + DRAFT_TOKEN_COST * found if found else 0.0)
+
+    @staticmethod
+    def worth_drafting(drafts: RowDrafts, found: int, tokens: float, cost: float
+                       ) -> tuple[int, float, float]:
+        """How much of a `found`-token draft a row should feed, in a step that so far emits
+        `tokens` (expected) for `cost` (in plain one-row steps): the length that gives the step
+        the most tokens a unit of cost, 0 where none gives more than the step has (the row's
+        evidence then fades toward the prior). Returns (length, tokens, cost) of the step with
+        it."""
+        best = (0, tokens, cost)
+        for length in range(1, found + 1):
+            with_draft = tokens + drafts.expected_kept(length)
+            more_cost = cost + DRAFT_ROW_COST + DRAFT_TOKEN_COST * length
+            if with_draft / more_cost > best[1] / best[2]:
+                best = (length, with_draft, more_cost)
+        if found and not best[0]:
+            drafts.agreed *= FADE
+            drafts.disagreed *= FADE
+        return best
+
     def record(self, drafts: RowDrafts, step: int, drafted: int, accepted: int) -> None:
         """After a verification: `accepted` of `drafted` tokens were the model's."""
         drafts.drafted += drafted
         drafts.accepted += accepted
+        drafts.agreed += accepted
+        drafts.disagreed += accepted < drafted
         counters = self.counters
         counters.drafts += 1
         counters.drafted_tokens += drafted
