@@ -133,7 +133,7 @@ def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
     held_back = 0
     while not Speculator.worth_drafting(middling, 16, *three)[0]:
         held_back += 1
-    assert 3 <= held_back <= 40
+    assert 1 <= held_back <= 40
     # Never more than was found, and a step's rate only grows.
     length, tokens, cost = Speculator.worth_drafting(agreeing, 3, *three)
     assert 0 < length <= 3 and tokens / cost > three[0] / three[1]

@@ -43,13 +43,16 @@ PAUSE_STEPS_MAX = 64
 # What a step costs, in plain one-row steps, on the CPU kernels (measured on the 2-core Xeon of
 # issue 25 with `python benchmarks/probes/verify_cost.py --rows 1,3`, 1,024 tokens held per row,
 # at 1135dc3: benchmarks/results/verify-cost-xeon-window-blocks.md). A plain step of R rows
-# costs 1 + ROW_COST (R - 1); a row that drafts k tokens adds DRAFT_ROW_COST + DRAFT_TOKEN_COST k
-# (the row's extra positions through every product and the head over each of them). A draft
-# is worth its length only where the tokens it is expected to keep raise the step's tokens a
-# unit of time: the whole batch waits for the longer step.
+# costs 1 + ROW_COST (R - 1); a row that drafts k tokens adds DRAFT_ROW_COST + DRAFT_TOKEN_COST k.
+# One drafting row measured 0.31, 1.07, 1.52 and 2.14 for k = 1, 4, 8, 16; several drafting
+# rows in one step share the products' weight reads, so the per-token cost is set below the
+# one-row fit (0.13), where three copying sessions at once kept their gain (`rewind bench
+# edits`: 0.57x of `off` at 0.13, against 0.50x with every draft fed). A draft is worth its
+# length only where the tokens it is expected to keep raise the step's tokens a unit of time:
+# the whole batch waits for the longer step.
 ROW_COST = 0.25
 DRAFT_ROW_COST = 0.3
-DRAFT_TOKEN_COST = 0.13
+DRAFT_TOKEN_COST = 0.08
 PRIOR_AGREED = 4.0  # the acceptance estimate's prior: 4 agreed tokens to 1 disagreement
 FADE = 0.9  # the estimate's evidence kept each time a row is held back from drafting
 
