@@ -137,3 +137,18 @@ def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
     # Never more than was found, and a step's rate only grows.
     length, tokens, cost = Speculator.worth_drafting(agreeing, 3, *three)
     assert 0 < length <= 3 and tokens / cost > three[0] / three[1]
+
+
+def test_a_new_row_starts_from_the_engines_recent_acceptance():
+    """An agent's answers are short: a row begins where the rows before it left the estimate,
+    not at the first prior."""
+    from rewind.engine.speculation import FIRST_PRIOR, Speculator
+
+    speculator = Speculator("ngram")
+    assert speculator.start([1, 2, 3]).acceptance == pytest.approx(FIRST_PRIOR)
+    for _ in range(30):
+        speculator.record(speculator.start([1, 2, 3]), 0, drafted=4, accepted=0)
+    assert speculator.start([1, 2, 3]).acceptance < 0.3
+    for _ in range(60):
+        speculator.record(speculator.start([1, 2, 3]), 0, drafted=4, accepted=4)
+    assert speculator.start([1, 2, 3]).acceptance > 0.9

@@ -53,7 +53,9 @@ PAUSE_STEPS_MAX = 64
 ROW_COST = 0.25
 DRAFT_ROW_COST = 0.3
 DRAFT_TOKEN_COST = 0.08
-PRIOR_AGREED = 4.0  # the acceptance estimate's prior: 4 agreed tokens to 1 disagreement
+FIRST_PRIOR = 0.8  # a row's acceptance before anything was verified in this engine
+PRIOR_WEIGHT = 5.0  # the prior counts as this many drafted tokens' evidence
+PRIOR_DECAY = 0.98  # the engine-wide evidence behind the prior: about the last 50 drafts
 FADE = 0.9  # the estimate's evidence kept each time a row is held back from drafting
 
 
@@ -72,15 +74,17 @@ class RowDrafts:
     # row's old misses do not keep it from ever drafting again.
     agreed: float = 0.0
     disagreed: float = 0.0
+    prior: float = FIRST_PRIOR  # the engine's recent acceptance when the row began
 
     @property
     def acceptance(self) -> float:
         """The chance that the model agrees with a drafted token after agreeing with those
         before it: agreed tokens over agreed tokens and first disagreements (the estimate for
-        drafts that stop at the first disagreement), from a prior of PRIOR_AGREED in
-        PRIOR_AGREED + 1: a prompt-lookup draft is usually right where text is copied (80% of
-        drafted tokens kept on `rewind bench edits`), and a row must draft to learn otherwise."""
-        return (self.agreed + PRIOR_AGREED) / (self.agreed + self.disagreed + PRIOR_AGREED + 1)
+        drafts that stop at the first disagreement), from the engine's recent acceptance as a
+        prior worth PRIOR_WEIGHT tokens: an agent's answers are short, and a row must not spend
+        them learning what the rows before it showed."""
+        return ((self.agreed + PRIOR_WEIGHT * self.prior)
+                / (self.agreed + self.disagreed + PRIOR_WEIGHT))
 
     def expected_kept(self, length: int) -> float:
         """Tokens a draft of `length` is expected to keep: p + p^2 + ... + p^length."""
@@ -112,9 +116,17 @@ class Speculator:
         self.step_tokens = step_tokens
         self.pool = DraftPool(pool_tokens) if mode == "suffix" else None
         self.counters = SpeculationCounters()
+        self._agreed = 0.0  # the evidence behind new rows' prior, fading with each draft
+        self._disagreed = 0.0
+
+    @property
+    def prior(self) -> float:
+        """The acceptance a new row starts from: this engine's recent drafts, from FIRST_PRIOR."""
+        return ((self._agreed + PRIOR_WEIGHT * FIRST_PRIOR)
+                / (self._agreed + self._disagreed + PRIOR_WEIGHT))
 
     def start(self, prompt: list[int]) -> RowDrafts:
-        return RowDrafts(NgramIndex(prompt))
+        return RowDrafts(NgramIndex(prompt), prior=self.prior)
 
     def propose(self, drafts: RowDrafts, tenant: str, step: int, limit: int) -> list[int]:
         """The draft of a row whose context is `drafts.index.tokens` (prompt and generated
@@ -162,6 +174,8 @@ class Speculator:
         drafts.accepted += accepted
         drafts.agreed += accepted
         drafts.disagreed += accepted < drafted
+        self._agreed = self._agreed * PRIOR_DECAY + accepted
+        self._disagreed = self._disagreed * PRIOR_DECAY + (accepted < drafted)
         counters = self.counters
         counters.drafts += 1
         counters.drafted_tokens += drafted
