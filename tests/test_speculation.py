@@ -29,6 +29,10 @@ TIMEOUT = 600
 # can give tokens back. The tiny Qwen 3.5 (linear attention) and Gemma 4 run MLX's layers, where
 # speculation is off (rewind.engine.speculation).
 SPECULATES = {"llama", "gemma3", "default"}
+# Rows draft only where they decode through the CPU kernels (rewind.engine.speculation: MLX's
+# batched forward sums in another order for another row count); elsewhere every mode decodes
+# one token a step, and these tests of drafting have nothing to test.
+DRAFTS_ON_THE_CPU_KERNELS = pytest.mark.cpu_only
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +91,7 @@ def answers(engine: Engine, requests: list[GenerationRequest]):
     return out
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 def test_greedy_and_seeded_answers_are_those_of_plain_decoding(family_loaded, tmp_path):
     """Alone, then three at once (greedy, then seeded sampling), then again from the prompt
     cache: the same tokens and the same log-probabilities, bit for bit, with speculation as
@@ -126,6 +131,7 @@ def test_greedy_and_seeded_answers_are_those_of_plain_decoding(family_loaded, tm
         assert counters is None
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_checkpoints_fall_where_they_fall_without_speculation(tiny_loaded, tmp_path, family):
     """A row's answer crosses a 256-token boundary: the next turn, which re-sends the prompt and
@@ -154,6 +160,7 @@ def test_checkpoints_fall_where_they_fall_without_speculation(tiny_loaded, tmp_p
     assert restored["suffix"][1] >= 50
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 def test_stop_strings_and_max_tokens_hold_across_accepted_drafts(default_loaded):
     """The default model copies a text it was shown: the answer stops at a stop string inside an
     accepted draft, and at max_tokens inside one, exactly where plain decoding stops."""
@@ -179,6 +186,7 @@ def test_stop_strings_and_max_tokens_hold_across_accepted_drafts(default_loaded)
     assert out["ngram-accepted"] >= 5
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 def test_structured_output_holds_across_accepted_drafts(default_loaded):
     """A JSON schema's grammar masks every position of a verified draft: the answer is the
     one plain decoding gives, it parses, and drafts were accepted."""
@@ -218,6 +226,7 @@ def test_a_request_that_opts_out_decodes_one_token_a_step(tiny_loaded):
     assert usage.drafted_tokens == 0 and usage.accepted_tokens == 0
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 def test_auto_drafts_where_drafts_are_kept_and_holds_back_where_they_are_not(tiny_loaded):
     """`auto` weighs a draft's positions against the tokens its row is expected to keep: alone,
     on a prompt that repeats itself, it drafts and keeps drafts; three rows at once whose drafts
@@ -251,6 +260,7 @@ def test_a_bad_mode_is_refused():
         EngineConfig(speculative_max_draft=0)
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 def test_the_server_reports_drafts_in_usage_and_metrics(tiny_model_path, tmp_path):
     """Through the real `openai` client on a live server (speculation on by default): the
     second request for the same prompt drafts the first's answer, and its usage says how much
@@ -317,6 +327,7 @@ def _chi_square_p_above(table: list[list[int]], alpha: float) -> bool:
     return statistic <= quantile
 
 
+@DRAFTS_ON_THE_CPU_KERNELS
 def test_sampled_answers_keep_their_distribution(tiny_loaded):
     """Seeds apart, so not the same draws: 320 answers sampled with speculation and 320 without,
     from a few candidates a position (top_k 3, a small vocabulary), on a prompt that repeats
