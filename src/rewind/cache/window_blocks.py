@@ -11,7 +11,8 @@ slots, over the oldest keys, which are kept aside so that the step's rejected ke
 back (their slots get their old keys again). The window is then exactly what one-token steps of
 the kept tokens leave: what the same row holds decoding without speculation. Attention over the
 block itself does not need the overwritten keys' slots (the CPU kernels read the ring as it was
-before the step plus the block: rewind.kernels.native_forward).
+before the step plus the block: rewind.kernels.native_forward, which the engine's runner hands
+this module, as the kernels do not import the cache package).
 
 Only a full ring (max_size slots holding max_size keys, none kept first) and a block shorter
 than the window take this; anything else keeps mlx-lm's update.
@@ -27,7 +28,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
-from rewind.kernels.object_table import ObjectTable
 
 
 @dataclass
@@ -41,7 +41,8 @@ class _Overwritten:
     values: np.ndarray
 
 
-_OVERWRITTEN: ObjectTable[_Overwritten] = ObjectTable()
+# layer cache -> what its last block wrote over; an entry goes with its cache.
+_OVERWRITTEN: "weakref.WeakKeyDictionary[Any, _Overwritten]" = weakref.WeakKeyDictionary()
 written = 0  # blocks written in place in this process (tests check the path ran)
 
 
@@ -85,8 +86,8 @@ def write_in_place(layer: Any, keys: mx.array, values: mx.array, old_keys: np.nd
     _write(layer, start, keys, values)
     layer.offset += rows
     layer._idx = (start + rows - 1) % size + 1  # mlx-lm's: one past the last slot written
-    _OVERWRITTEN.set(layer, _Overwritten(weakref.ref(layer.keys), layer.offset, start,
-                                         old_keys, old_values))
+    _OVERWRITTEN[layer] = _Overwritten(weakref.ref(layer.keys), layer.offset, start, old_keys,
+                                       old_values)
     return layer.keys, layer.values
 
 
@@ -104,7 +105,7 @@ def give_back(layer: Any, tokens: int) -> bool:
     their old keys and values again. False where its last update was not such a block (or
     something changed it since): mlx-lm's rollback then applies."""
     count = held_block(layer)
-    saved = _OVERWRITTEN.pop(layer)
+    saved = _OVERWRITTEN.pop(layer, None)
     if not count:
         return False
     if not 0 <= tokens <= count:

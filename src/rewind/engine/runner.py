@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from rewind.cache import window_blocks
 from rewind.cache.checkpoints import BLOCK_TOKENS, engine_chunk_tokens, prefill_plan
 from rewind.engine.positions import given_positions, takes_positions
 from rewind.engine.residuals import given_residuals
@@ -61,6 +62,10 @@ class ModelRunner:
         self.layer_count: int | None = (
             len(self.kernels.forward.layers)
             if self.kernels.fuses_segments and split_model(model) is not None else None)
+        if self.layer_count is not None:
+            # A drafting row's keys go into full sliding windows in place, given back at
+            # rollback (rewind.cache.rollback).
+            self.kernels.forward.block_writer = window_blocks
 
     def layer_costs(self, context: int) -> list[float]:
         """Per-layer work of one token at `context` tokens held (the CPU kernels' estimate, in

@@ -433,6 +433,10 @@ class NativeForward:
             pass
         self.decode_in_one_call = self.step is not None
         self.one_call_steps = 0  # decode steps run in one call (tests check the path ran)
+        # Writes a block of keys into a full sliding window in place, with what it overwrote
+        # kept to give back (rewind.cache.window_blocks: takes_in_place, block_slots,
+        # write_in_place), handed in by the engine's runner; None: the caches' own updates.
+        self.block_writer: Any = None
         self.swapped: list[tuple[Any, str, Any]] = []  # modules replaced by in-place ones
 
     @property
@@ -581,8 +585,6 @@ class NativeForward:
                 or (block.length == 1 and any(mask is not None for mask in block.masks.values()))
                 for block, block_stop in blocks):
             return False
-        from rewind.cache.window_blocks import block_slots, takes_in_place, write_in_place
-
         layer0 = self.layers[first]
         heads = layer0.heads
         entries: list[StepCache] = []
@@ -606,8 +608,10 @@ class NativeForward:
                 # write in place.
                 keys_view, values_view = host_view(cache.keys), host_view(cache.values)
                 saved = None
-                if block.length > 1 and takes_in_place(cache, block.length):
-                    slots = block_slots(cache, block.length)
+                writer = self.block_writer
+                if block.length > 1 and writer is not None and writer.takes_in_place(
+                        cache, block.length):
+                    slots = writer.block_slots(cache, block.length)
                     saved = (keys_view[:, :, slots], values_view[:, :, slots])  # copies
                     size = cache.max_size
                     after = (size, cache.offset + block.length - size, (slots[-1] + 1) % size)
@@ -643,7 +647,8 @@ class NativeForward:
                 new_values = mx.array(projected[:, q_width + kv_width:].reshape(shape)
                                       .transpose(1, 0, 2)[None])
                 if overwritten[at] is not None:
-                    keys, values = write_in_place(cache, new_keys, new_values, *overwritten[at])
+                    keys, values = self.block_writer.write_in_place(cache, new_keys, new_values,
+                                                                    *overwritten[at])
                 else:
                     keys, values = cache.update_and_fetch(new_keys, new_values)
                 if not moved_as_foreseen(cache, keys, checks[at]):
