@@ -218,7 +218,7 @@ def on_both_paths(forward, run, one_call_steps: int) -> list:
     results = []
     try:
         for one_call in (True, False):
-            forward.decode_in_one_call = one_call
+            forward.steps_in_one_call = one_call
             before = forward.one_call_steps
             results.append(run())
             taken = forward.one_call_steps - before
@@ -229,17 +229,17 @@ def on_both_paths(forward, run, one_call_steps: int) -> list:
             else:
                 assert taken >= -one_call_steps
     finally:
-        forward.decode_in_one_call = True
+        forward.steps_in_one_call = True
     return results
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama", "qwen2"])
-def test_decode_in_one_call_gives_the_per_layer_bits(model_pair, family: str) -> None:
+def test_steps_in_one_call_gives_the_per_layer_bits(model_pair, family: str) -> None:
     """Decode steps in one call: the same tokens and logits to the bit as a layer at a time,
     past Gemma's 64-token window (its ring buffers wrap) and the caches' 256-slot step."""
     fast, _ = model_pair(family)
     forward = native_forward(fast.model)
-    assert forward.decode_in_one_call
+    assert forward.steps_in_one_call
     prompt = np.random.default_rng(5).integers(3, 200, 30).tolist()
     one_call, per_layer = on_both_paths(forward, lambda: decode_trace(fast.model, prompt, 240),
                                         240)
@@ -264,7 +264,7 @@ def test_prompt_chunks_in_one_call_give_the_per_layer_bits(model_pair, family: s
     assert np.array_equal(one_call, per_layer)
 
 
-def test_batched_decode_in_one_call_gives_the_per_layer_bits(model_pair) -> None:
+def test_batched_steps_in_one_call_gives_the_per_layer_bits(model_pair) -> None:
     """The engine's continuous batch (each row its own cache) with every decode step in one C
     call, rows joining and leaving: each row's tokens and logprobs are the per-layer path's."""
     fast, _ = model_pair("gemma3")

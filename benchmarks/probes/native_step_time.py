@@ -27,7 +27,7 @@ def main() -> None:
     model(mx.array([list(range(3, 200))]), cache=cache)
     token = mx.array([[5]])
     for one_call in (True, False):
-        forward.decode_in_one_call = one_call
+        forward.steps_in_one_call = one_call
         for _ in range(20):
             mx.eval(model(token, cache=cache))
         best = float("inf")

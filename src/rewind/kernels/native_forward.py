@@ -423,16 +423,16 @@ class NativeForward:
             self.window = getattr(backbone, "sliding_window", None)
         self._scratch: tuple[np.ndarray, ...] = ()
         self._step_qkv = np.empty(0, np.float32)
-        # Decode steps in one C call (step.c) where every layer has the same widths; False runs
-        # them a layer at a time (the same bits: tests compare the two).
+        # Steps in one C call (step.c: `_step_in_one_call`) where every layer has the same
+        # widths; False runs every step a layer at a time (the same bits: tests compare them).
         self.step: StepArgs | None = None
         try:
             self.step = StepArgs.build([layer.args for layer in self.layers],
                                        [layer.scale for layer in self.layers])
         except KernelCallError:
             pass
-        self.decode_in_one_call = self.step is not None
-        self.one_call_steps = 0  # decode steps run in one call (tests check the path ran)
+        self.steps_in_one_call = self.step is not None
+        self.one_call_steps = 0  # steps run in one call (tests check the path ran)
         # Writes a block of keys into a full sliding window in place, with what it overwrote
         # kept to give back (rewind.cache.window_blocks: takes_in_place, block_slots,
         # write_in_place), handed in by the engine's runner; None: the caches' own updates.
@@ -531,7 +531,7 @@ class NativeForward:
         depend on which others ran beside it, nor on where its layers were split into calls."""
         if not blocks:
             return
-        if self.decode_in_one_call and self._step_in_one_call(blocks):
+        if self.steps_in_one_call and self._step_in_one_call(blocks):
             return
         k = self._kernels
         first_layer = min(block.done for block, _ in blocks)
@@ -592,6 +592,7 @@ class NativeForward:
         # Per entry: the keys and values a block will write over in a full window's ring (it
         # goes in place: rewind.cache.window_blocks), else None (the cache's own update).
         overwritten: list[tuple[np.ndarray, np.ndarray] | None] = []
+        writer = self.block_writer
         for index in range(first, stop):
             sliding = self.layers[index].sliding
             for block, _ in blocks:
@@ -608,7 +609,6 @@ class NativeForward:
                 # write in place.
                 keys_view, values_view = host_view(cache.keys), host_view(cache.values)
                 saved = None
-                writer = self.block_writer
                 if block.length > 1 and writer is not None and writer.takes_in_place(
                         cache, block.length):
                     slots = writer.block_slots(cache, block.length)
@@ -647,8 +647,8 @@ class NativeForward:
                 new_values = mx.array(projected[:, q_width + kv_width:].reshape(shape)
                                       .transpose(1, 0, 2)[None])
                 if overwritten[at] is not None:
-                    keys, values = self.block_writer.write_in_place(cache, new_keys, new_values,
-                                                                    *overwritten[at])
+                    keys, values = writer.write_in_place(cache, new_keys, new_values,
+                                                         *overwritten[at])
                 else:
                     keys, values = cache.update_and_fetch(new_keys, new_values)
                 if not moved_as_foreseen(cache, keys, checks[at]):
@@ -659,11 +659,8 @@ class NativeForward:
                 pending += [keys, values]
                 at += 1
                 row += block.rows
-        row = 0
+        _scatter(x, [block for block, _ in blocks])
         for block, _ in blocks:
-            if len(blocks) > 1:
-                block.x[...] = x[row:row + block.rows]
-            row += block.rows
             block.done = stop
         mx.async_eval(pending)
         self.one_call_steps += 1
