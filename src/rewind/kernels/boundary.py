@@ -310,6 +310,15 @@ class StepCache:
     mask: np.ndarray | None = None
 
 
+def _check_buffer_slots(from_buffer: int, rotation: int, ring: int, slots: int,
+                        what: str) -> None:
+    """The buffer slots a key layout reads (`from_buffer` keys from slot `rotation` of a ring of
+    `ring`) lie in buffers of `slots`."""
+    last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < ring else ring - 1
+    if from_buffer and last >= slots:
+        raise KernelCallError(f"{what}: key slot {last} of buffers of {slots}")
+
+
 def _status(name: str, status: int) -> None:
     if status:
         raise KernelCallError(f"{name} refused the call (status {status})")
@@ -426,9 +435,7 @@ class Kernels:
                     or not 0 <= rotation < ring or abs(cache.first) >= 1 << 60):
                 raise KernelCallError(f"step: {keys} keys for {rows} rows, rotation {rotation} "
                                       f"of a ring of {ring}, first position {cache.first}")
-            last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < ring else ring - 1
-            if from_buffer and last >= slots:
-                raise KernelCallError(f"step: key slot {last} of buffers of {slots}")
+            _check_buffer_slots(from_buffer, rotation, ring, slots, "step")
             mask_address, mask_strides = 0, (0, 0, 0, 0)
             if cache.mask_kind in (native.MASK_BOOL, native.MASK_ADD):
                 mask_dtype = np.dtype(np.bool_) if cache.mask_kind == native.MASK_BOOL else _F32
@@ -532,11 +539,8 @@ class Kernels:
             args.tail = tail_length
         elif total != slots:
             raise KernelCallError(f"attention: {total} keys in buffers of {slots} without a tail")
-        from_buffer = total - tail_length
         for rotation in rotations:  # the buffer slots the kernel reads lie in k and v
-            last = rotation + from_buffer - 1 if rotation + from_buffer - 1 < total else total - 1
-            if from_buffer and last >= slots:
-                raise KernelCallError(f"attention: key slot {last} of buffers of {slots}")
+            _check_buffer_slots(total - tail_length, rotation, total, slots, "attention")
         status = self._library.attention(ctypes.byref(args))
         if status == -2:
             raise MemoryError("attention kernel: no memory for its scratch")

@@ -231,8 +231,7 @@ def decode_attention_into(queries: np.ndarray, new_keys: mx.array, new_values: m
         threads or native.kernel_threads(), _layout_arrays(*foreseen, batch), tail, total)
     del old_keys, old_values, tail, m
     keys, values = cache.update_and_fetch(new_keys, new_values)
-    if (not done or int(keys.shape[2]) != total
-            or _first_and_rotation(cache, total) != foreseen):
+    if not done or not moved_as_foreseen(cache, keys, (total, *foreseen)):
         # Shapes the kernel does not take, or a cache that moved otherwise than foreseen
         # (another mlx-lm): the usual path on the updated cache, whose answer stands.
         if not attention_into(queries, keys, values, scale, mask, out, threads, cache):
