@@ -6,6 +6,20 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 extras="${REWIND_EXTRAS:-dev}"
+# MLX's backend on Linux is an extra: cpu unless cuda is asked for (REWIND_EXTRAS=cuda,dev).
+# Never both: the two wheels write the same mlx/lib/libmlx.so.
+backend=""; other_backend=""
+if [ "$(uname -s)" = "Linux" ]; then
+  case ",$extras," in
+    *,cuda,*) backend=cuda; other_backend=cpu ;;
+    *) backend=cpu; other_backend=cuda ;;
+  esac
+  if [[ ",$extras," == *",$other_backend,"* ]]; then
+    echo "[rewind setup] REWIND_EXTRAS names both cpu and cuda: MLX takes one backend, pick one" >&2
+    exit 1
+  fi
+  extras="$extras,$backend"
+fi
 
 say() { printf '[rewind setup] %s\n' "$*" >&2; }
 
@@ -60,6 +74,8 @@ stamp=".venv/.rewind-installed"
 hash="$(sha256sum pyproject.toml | cut -c1-16)"
 have_hash=""; have_extras=""
 [ -f "$stamp" ] && read -r have_hash have_extras < "$stamp" || true
+# A backend switch: the other backend's extra is not kept from the last install.
+[ -z "$other_backend" ] || have_extras="$(printf '%s\n' ${have_extras//,/ } | grep -vx "$other_backend" | paste -sd, -)"
 union="$(printf '%s\n' ${extras//,/ } ${have_extras//,/ } | sort -u | paste -sd, -)"
 if [ "$have_hash" != "$hash" ] || [ "$union" != "$have_extras" ]; then
   [ "$have_hash" = "$hash" ] || union="$(printf '%s\n' ${extras//,/ } | sort -u | paste -sd, -)"
@@ -69,4 +85,19 @@ if [ "$have_hash" != "$hash" ] || [ "$union" != "$have_extras" ]; then
   .venv/bin/python -m pip install -q -e ".[$union]" 2>&1 | { grep -v 'is ignored: it is neither' || true; }
   [ "${PIPESTATUS[0]}" = "0" ] || { say "pip install failed"; exit 1; }
   echo "$hash $union" > "$stamp"
+fi
+
+# 4. One MLX backend, and its library on disk: a venv that had the other backend keeps that
+#    package (pip does not remove it), and its libmlx may be the one left on disk.
+if [ -n "$backend" ]; then
+  other_package="$([ "$backend" = cuda ] && echo mlx-cpu || echo mlx-cuda-13)"
+  if .venv/bin/python -m pip show "$other_package" >/dev/null 2>&1; then
+    ours="$([ "$backend" = cuda ] && echo mlx-cuda-13 || echo mlx-cpu)"
+    version="$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx"))')"
+    say "MLX backend: $backend; removing $other_package and unpacking $ours $version again"
+    .venv/bin/python -m pip uninstall -q -y "$other_package"
+    .venv/bin/python -m pip install -q --force-reinstall --no-deps "$ours==$version" 2>&1 \
+      | { grep -v 'is ignored: it is neither' || true; }
+  fi
+  .venv/bin/python -m rewind.mlx_install >/dev/null || { .venv/bin/python -m rewind.mlx_install; exit 1; }
 fi

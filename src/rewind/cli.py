@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from rewind import __version__, env
+from rewind import __version__, env, mlx_install, paths
 from rewind.blas import ensure_openblas
 
 COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "pull", "ps", "cache_prompt",
@@ -21,7 +22,8 @@ COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "pull", "ps
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rewind", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"rewind {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"rewind {__version__}, {mlx_install.inspect().describe()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -44,6 +46,16 @@ def main(argv: list[str] | None = None) -> None:
     except env.EnvError as exc:
         print(f"rewind: {exc}", file=sys.stderr)
         sys.exit(2)
+    if not env.blas_reexecuted():
+        install = mlx_install.inspect()
+        if install.problem:
+            # No backend at all: nothing could run. Two backends: it runs, maybe not where meant.
+            print(f"rewind: {'error' if install.library_owner is None else 'warning'}: "
+                  f"{install.problem}", file=sys.stderr)
+            if install.library_owner is None:
+                sys.exit(2)
+    # Before MLX compiles anything: a user's own MLX_PTX_CACHE_DIR wins.
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(paths.mlx_kernel_cache_dir()))
     ensure_openblas(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
