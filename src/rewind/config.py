@@ -218,6 +218,9 @@ class ServerConfig:
     # Output tokens of a request that names no limit, and the most any request gets.
     max_tokens: int = 4096
     cpu_weights: str = "auto"  # rewind.models.loader.CPU_WEIGHTS
+    # On a GPU, run two short requests through each model as it loads (rewind.engine.warm_up):
+    # the first user request then does not wait for kernels to be compiled.
+    warm_up: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -101,6 +101,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fetch http(s) image URLs sent in requests (off: only inline "
                         "base64 images are accepted)")
     add_cpu_weights_arg(parser)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="on a GPU, skip the two short requests each model runs as it loads "
+                        "(they compile its kernels, so the first request is not seconds slower)")
     parser.add_argument("--pipeline", action="store_true",
                         help="under mlx.launch: split the model's layers over the ranks "
                         "(pipeline parallelism) instead of its heads (tensor parallelism)")
@@ -151,7 +154,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           body_idle_seconds=args.body_timeout,
                           max_body_bytes=parse_size(args.max_body),
                           allow_image_urls=args.allow_image_urls, max_tokens=args.max_tokens,
-                          cpu_weights=args.cpu_weights, engine=engine)  # validated when built
+                          cpu_weights=args.cpu_weights, warm_up=not args.no_warm_up,
+                          engine=engine)  # validated when built
     from rewind.server.auth import key_ring
 
     try:

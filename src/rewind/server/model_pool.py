@@ -382,6 +382,10 @@ class ModelPool:
         elif cache is not None:
             cache.model = loaded.model
         slot.prompt_cache = cache
+        if self.config.warm_up and self.backend != "cpu":
+            from rewind.engine.warm_up import warm_up
+
+            slot.warm_up_seconds, _ = warm_up(loaded, self.config.engine)
         element = 4 if self.backend == "cpu" else 2
         kv = kv_shape(loaded.config, element)
         # The engine's scheduler grows each sequence's room in the budget before its tokens.
@@ -509,6 +513,8 @@ class ModelPool:
             out["memory_bytes"] = slot.loaded_bytes
             out["running"] = slot.leases
             out["load_seconds"] = round(slot.load_seconds, 3)
+            if slot.warm_up_seconds is not None:
+                out["warm_up_seconds"] = round(slot.warm_up_seconds, 3)
             out["engine_restarts"] = slot.restarts
             if slot.unload_at is not None:
                 out["unload_in_seconds"] = round(max(0.0, slot.unload_at - time.monotonic()), 1)

@@ -29,6 +29,7 @@ class Slot:
     tokenizer_key: str | None = None
     loads: int = 0
     load_seconds: float = 0.0
+    warm_up_seconds: float | None = None  # the last load's warm-up (None: none ran)
     unloads: Counter[str] = field(default_factory=Counter)
     fallbacks: int = 0
     restarts: int = 0  # engines restarted after a failure
