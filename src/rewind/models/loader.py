@@ -160,6 +160,10 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
+        if mx.cuda.is_available():
+            from rewind.kernels import shifted_conv
+
+            shifted_conv.use_in_model(model)  # no cuDNN plan per new prompt-chunk length
         return model
     if stored is not None:
         from rewind.kernels.fast_head import install_fast_head

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU session's probes (run on the device from the repository root, after the wheels are
+# staged as ../shared/GPU.md says and PYTHONPATH=/tmp/site:$PWD/src): what a new shape costs,
+# the served turn latencies of two server processes in a row, and which libmlx.so a clean
+# virtual environment ends with. Writes under $OUT.
+set -u
+out="${OUT:-/tmp/out}"; mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" >> "$out/gpu.txt" 2>&1
+export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-probe}"
+part="${PART:-all}"
+if [ "$part" = all ] || [ "$part" = shapes ]; then
+  python3 benchmarks/probes/new_shapes.py --json "$out/new-shapes.json" > "$out/new-shapes.txt" 2>&1
+  tail -n 40 "$out/new-shapes.txt"
+  if [ -n "${TESTS:-}" ]; then
+    python3 -m pytest -q -p no:cacheprovider $TESTS > "$out/tests.txt" 2>&1; tail -n 15 "$out/tests.txt"
+  fi
+fi
+if [ "$part" = all ] || [ "$part" = turns ]; then
+  python3 benchmarks/probes/turn_latency.py --shape "${SHAPE:-qwen3.5-0.8b}" --json "$out/turn-latency.json" > "$out/turn-latency.txt" 2>&1
+  tail -n 20 "$out/turn-latency.txt"
+fi
+if [ "$part" = all ] || [ "$part" = turns ] && [ -n "${INSTALL_TEST:-}" ]; then
+  (
+    links="--no-index --find-links /root/stage --find-links .gpu2/extra"
+    report() { env PYTHONPATH="$PWD/src" "$1/bin/python" -m rewind.mlx_install;
+               env -u PYTHONPATH "$1/bin/python" -c "import mlx.core as mx; print('mx.cuda.is_available():', mx.cuda.is_available(), mx.default_device())"; }
+    fresh() { rm -rf "$1" && python3 -m venv --system-site-packages "$1"; }
+    # pip resolves the NVIDIA libraries from the system's site-packages (the CUDA PyTorch there);
+    # where it cannot, the same wheels go in without their dependencies.
+    install() { local v="$1"; shift; "$v/bin/pip" install -q $links "$@" || "$v/bin/pip" install -q $links --no-deps "$@"; }
+    echo "== [cuda] now: mlx[cuda13] alone"; fresh /tmp/iv-a; install /tmp/iv-a 'mlx[cuda13]==0.32.4' mlx-cuda-13==0.32.4; report /tmp/iv-a
+    echo "== before: mlx[cpu] hard plus the cuda extra, one pip transaction"; fresh /tmp/iv-b; install /tmp/iv-b 'mlx[cpu,cuda13]==0.32.4' mlx-cpu==0.32.4 mlx-cuda-13==0.32.4; report /tmp/iv-b
+    echo "== mlx-cpu installed later into the [cuda] venv"; install /tmp/iv-a mlx-cpu==0.32.4; report /tmp/iv-a
+    echo "== the fix rewind.mlx_install prints"; /tmp/iv-a/bin/pip uninstall -q -y mlx-cpu && install /tmp/iv-a --force-reinstall --no-deps mlx-cuda-13==0.32.4; report /tmp/iv-a
+  ) > "$out/install.txt" 2>&1
+  cat "$out/install.txt" | grep -v "^WARNING" | tail -n 40
+fi
