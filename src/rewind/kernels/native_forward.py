@@ -585,12 +585,42 @@ class NativeForward:
                 or (block.length == 1 and any(mask is not None for mask in block.masks.values()))
                 for block, block_stop in blocks):
             return False
+        plan = self._plan_caches(blocks, first, stop)
+        if plan is None:
+            return False
+        entries, foreseen, overwritten = plan
         layer0 = self.layers[first]
-        heads = layer0.heads
+        rows = sum(block.rows for block, _ in blocks)
+        x = blocks[0][0].x if len(blocks) == 1 else np.concatenate([b.x for b, _ in blocks])
+        positions = (blocks[0][0].positions if len(blocks) == 1
+                     else np.concatenate([block.positions for block, _ in blocks]))
+        size = (stop - first) * rows * layer0.width
+        if self._step_qkv.size < size:
+            self._step_qkv = np.empty(size, np.float32)
+        qkv = self._step_qkv[:size].reshape(stop - first, rows, layer0.width)
+        _, scratch, attended = self._buffers(rows, layer0)
+        self._kernels.step_layers(step, first, stop, [block.rows for block, _ in blocks],
+                                  entries, x, positions, qkv, scratch, attended)
+        del entries, plan  # the buffers' views: the updates below may write in place
+        pending = self._update_caches(blocks, first, stop, qkv, foreseen, overwritten)
+        _scatter(x, [block for block, _ in blocks])
+        for block, _ in blocks:
+            block.done = stop
+        mx.async_eval(pending)
+        self.one_call_steps += 1
+        return True
+
+    def _plan_caches(self, blocks: list[tuple["RowsInFlight", int]], first: int, stop: int
+                     ) -> tuple[list[StepCache], list[tuple[int, int, int]],
+                                list[tuple[np.ndarray, np.ndarray] | None]] | None:
+        """Per layer and block, in that order: the cache as the kernel reads it (a view of its
+        buffers with the layout its new keys meet), the layout the cache's update must leave
+        (checked after it), and the keys and values a block will write over in a full window's
+        ring (rewind.cache.window_blocks: it goes in place), else None. None where a cache's
+        update or mask is not one the kernel takes."""
+        heads = self.layers[first].heads
         entries: list[StepCache] = []
-        checks: list[tuple[int, int, int]] = []
-        # Per entry: the keys and values a block will write over in a full window's ring (it
-        # goes in place: rewind.cache.window_blocks), else None (the cache's own update).
+        foreseen: list[tuple[int, int, int]] = []
         overwritten: list[tuple[np.ndarray, np.ndarray] | None] = []
         writer = self.block_writer
         for index in range(first, stop):
@@ -599,11 +629,11 @@ class NativeForward:
                 cache = block.cache[index]
                 layout = tail_layout(cache, block.length)
                 if layout is None:
-                    return False
+                    return None
                 (total, position, rotation, ring), after = layout
                 mask = mask_for_kernel(block.masks[sliding], heads, block.length, total)
                 if mask is None:
-                    return False
+                    return None
                 # Views of the buffers as they are (evaluating the last step's queued updates),
                 # held until the call returns and dropped before the updates, which may then
                 # write in place.
@@ -617,22 +647,21 @@ class NativeForward:
                     after = (size, cache.offset + block.length - size, (slots[-1] + 1) % size)
                 entries.append(StepCache(keys_view, values_view, total, position, rotation,
                                          ring, mask[0], mask[1]))
-                checks.append(after)
+                foreseen.append(after)
                 overwritten.append(saved)
                 del keys_view, values_view
-        rows = sum(block.rows for block, _ in blocks)
-        x = blocks[0][0].x if len(blocks) == 1 else np.concatenate([b.x for b, _ in blocks])
-        positions = (blocks[0][0].positions if len(blocks) == 1
-                     else np.concatenate([block.positions for block, _ in blocks]))
-        size = (stop - first) * rows * layer0.width
-        if self._step_qkv.size < size:
-            self._step_qkv = np.empty(size, np.float32)
-        qkv = self._step_qkv[:size].reshape(stop - first, rows, layer0.width)
-        _, scratch, attended = self._buffers(rows, layer0)
-        self._kernels.step_layers(step, first, stop, [block.rows for block, _ in blocks],
-                                  entries, x, positions, qkv, scratch, attended)
-        del entries
-        q_width, kv_width = heads * layer0.head_dim, layer0.kv_heads * layer0.head_dim
+        return entries, foreseen, overwritten
+
+    def _update_caches(self, blocks: list[tuple["RowsInFlight", int]], first: int, stop: int,
+                       qkv: np.ndarray, foreseen: list[tuple[int, int, int]],
+                       overwritten: list[tuple[np.ndarray, np.ndarray] | None]) -> list[mx.array]:
+        """Each cache takes its block's new keys and values from the step's projections (in
+        place in a full window's ring, else its own update), checked against the layout
+        foreseen; returns the updated arrays, to be evaluated after the step (nothing reads
+        them before the next one)."""
+        layer0 = self.layers[first]
+        q_width, kv_width = layer0.heads * layer0.head_dim, layer0.kv_heads * layer0.head_dim
+        writer = self.block_writer
         pending: list[mx.array] = []
         at = 0
         for index in range(first, stop):
@@ -651,20 +680,13 @@ class NativeForward:
                                                          *overwritten[at])
                 else:
                     keys, values = cache.update_and_fetch(new_keys, new_values)
-                if not moved_as_foreseen(cache, keys, checks[at]):
+                if not moved_as_foreseen(cache, keys, foreseen[at]):
                     raise RuntimeError(f"layer {index}'s {type(cache).__name__} moved otherwise "
                                        f"than foreseen for {block.rows} new keys")
-                # A decode row's update is evaluated with the others after the step; a longer
-                # block's concatenation too (nothing reads it before the next step).
                 pending += [keys, values]
                 at += 1
                 row += block.rows
-        _scatter(x, [block for block, _ in blocks])
-        for block, _ in blocks:
-            block.done = stop
-        mx.async_eval(pending)
-        self.one_call_steps += 1
-        return True
+        return pending
 
     def finish(self, block: "RowsInFlight") -> mx.array:
         """The block's output [B, L, hidden] (final norm applied), once it passed every layer."""
