@@ -51,9 +51,11 @@ def op_rows(prefix: int, lengths: list[int]) -> list[dict[str, Any]]:
         kv = mx.random.normal((1, kv_heads, prefix + length, head_dim)).astype(dtype)
         x = mx.random.normal((1, length, hidden)).astype(dtype)
         mx.eval(q, kv, x)
+        q64 = mx.random.normal((1, 32, length, 64)).astype(dtype)
+        kv64 = mx.random.normal((1, 8, prefix + length, 64)).astype(dtype)
         conv_in = mx.random.normal((1, length + 3, 6144)).astype(dtype)
         conv_weight = mx.random.normal((6144, 4, 1)).astype(dtype)
-        mx.eval(conv_in, conv_weight)
+        mx.eval(conv_in, conv_weight, q64, kv64)
         pieces = {
             "depthwise conv1d (linear attention's)": lambda: mx.conv1d(
                 conv_in, conv_weight, groups=6144),
@@ -62,6 +64,10 @@ def op_rows(prefix: int, lengths: list[int]) -> list[dict[str, Any]]:
             "attention (sdpa, causal)": lambda: mx.fast.scaled_dot_product_attention(
                 q, kv, kv, scale=head_dim ** -0.5, mask="causal"),
             "matmul [L,1024]x[1024,3584]": lambda: x @ weight.T,
+            # Llama 3.2 1B's heads (head_dim 64): cuDNN's attention on CUDA, whose plan cache
+            # is keyed by the exact query and key lengths.
+            "attention, 32 heads of 64 (cuDNN's on CUDA)": lambda: mx.fast.scaled_dot_product_attention(
+                q64, kv64, kv64, scale=64 ** -0.5, mask="causal"),
         }
         if cuda_gated_delta.available():
             gq = mx.random.normal((1, length, 16, 128)).astype(dtype)
