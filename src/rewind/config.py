@@ -221,6 +221,8 @@ class ServerConfig:
     # On a GPU, run two short requests through each model as it loads (rewind.engine.warm_up):
     # the first user request then does not wait for kernels to be compiled.
     warm_up: bool = True
+    # A model that drafts for the served models of its vocabulary (rewind.engine.draft_model).
+    draft_model: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -53,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "prompt and answer, suffix also from recent answers; auto is suffix "
                         "where it is exact (rows on the CPU kernels) and off elsewhere "
                         "(default: %(default)s)")
+    parser.add_argument("--draft-model", default=None, metavar="NAME|FOLDER",
+                        help="a smaller model of the same vocabulary that drafts tokens for "
+                        "--speculative auto to verify (e.g. the default Gemma 3 270M for a "
+                        "larger Gemma 3); a served model of another vocabulary decodes without it")
     parser.add_argument("--speculative-max-draft", type=int, default=16, metavar="N",
                         help="tokens one request drafts in a step, at most (default: %(default)s)")
     parser.add_argument("--api-key", default=None,
@@ -155,6 +159,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                           max_body_bytes=parse_size(args.max_body),
                           allow_image_urls=args.allow_image_urls, max_tokens=args.max_tokens,
                           cpu_weights=args.cpu_weights, warm_up=not args.no_warm_up,
+                          draft_model=args.draft_model,
                           engine=engine)  # validated when built
     from rewind.server.auth import key_ring
 

@@ -205,7 +205,8 @@ class Engine:
     """Continuous batching over one model. `submit` from any thread; events via the handle."""
 
     def __init__(self, loaded: Any, config: EngineConfig | None = None,
-                 prompt_cache: Any = None, memory: KvAccount | None = None) -> None:
+                 prompt_cache: Any = None, memory: KvAccount | None = None,
+                 draft: Any = None) -> None:
         self.loaded = loaded
         self.config = config or EngineConfig()
         if self.config.parallel < 1:
@@ -222,6 +223,13 @@ class Engine:
         # sequence with room for its prompt's cache and grows it before each token
         # (rewind.engine.memory_budget). None: no budget.
         self.memory = memory
+        # A loaded draft model (rewind.engine.draft_model): it drafts where rows verify drafts.
+        self.draft_model = None
+        if draft is not None:
+            from rewind.engine.draft_model import DraftModel, check_compatible
+
+            check_compatible(loaded, draft)
+            self.draft_model = DraftModel(draft)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = _eos_token_ids(loaded.tokenizer, loaded.config)
         self.vocab_size = _vocab_size(loaded.model, loaded.tokenizer, loaded.config)
@@ -245,7 +253,8 @@ class Engine:
             chunk_tokens=self.config.chunk_tokens, block_tokens=block_tokens_of(self.prompt_cache),
             fault=forward_fault(str(getattr(self.loaded, "name", ""))))
         self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
-                                    self.eos_token_ids, self._listeners, counters, self.memory)
+                                    self.eos_token_ids, self._listeners, counters, self.memory,
+                                    draft_model=self.draft_model)
 
     # ---- life cycle -------------------------------------------------------------------------
 

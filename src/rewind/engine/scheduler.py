@@ -61,7 +61,8 @@ __all__ = ["Counters", "EventSink", "SampleListener", "Scheduler", "Sequence"]
 class Scheduler:
     def __init__(self, runner: ModelRunner, config: EngineConfig, prompt_cache: Any,
                  eos_token_ids: set[int], listeners: list[SampleListener],
-                 counters: Counters | None = None, memory: KvAccount | None = None) -> None:
+                 counters: Counters | None = None, memory: KvAccount | None = None,
+                 draft_model: Any = None) -> None:
         self.runner = runner
         # The memory budget's account of this engine's sequences, if one is kept: admission
         # waits for room for a prompt's cache, and each decoding row's room grows before the
@@ -92,10 +93,16 @@ class Scheduler:
             mode = "off"
         if mode != "off":
             self.pipeline = False
+        # A draft model (rewind.engine.draft_model) drafts where `auto` would draft from text.
+        if draft_model is not None and config.speculative == "auto" and mode != "off":
+            mode = "draft"
+        elif draft_model is not None:
+            log.warning("the draft model is not used: speculative decoding is %s here", mode)
         self.speculator: Speculator | None = (
-            None if mode == "off" else Speculator(mode, config.speculative_max_draft,
-                                                  config.speculative_step_tokens,
-                                                  weighs_cost=config.speculative == "auto"))
+            None if mode == "off" else Speculator(
+                mode, config.speculative_max_draft, config.speculative_step_tokens,
+                weighs_cost=config.speculative == "auto" and mode != "draft",
+                draft_model=draft_model if mode == "draft" else None))
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
         # Counters come in from a scheduler before this one where the engine restarted: they
         # carry on, and the emission counts into the same object.

@@ -75,6 +75,7 @@ class RowDrafts:
     agreed: float = 0.0
     disagreed: float = 0.0
     prior: float = FIRST_PRIOR  # the engine's recent acceptance when the row began
+    model_row: Any = None  # rewind.engine.draft_model.DraftRow where a draft model drafts
 
     @property
     def acceptance(self) -> float:
@@ -105,10 +106,15 @@ class Speculator:
     """Drafts for the rows of one engine's decode batch."""
 
     def __init__(self, mode: str, max_draft: int = 16, step_tokens: int = 32,
-                 pool_tokens: int = 65536, weighs_cost: bool = True) -> None:
-        if mode not in MODES or mode == "auto":
-            raise ValueError(f"speculation mode must be one of ngram, suffix, not {mode!r}")
+                 pool_tokens: int = 65536, weighs_cost: bool = True,
+                 draft_model: Any = None) -> None:
+        if mode not in ("ngram", "suffix", "draft"):
+            raise ValueError(f"speculation mode must be one of ngram, suffix, draft, not {mode!r}")
+        if (mode == "draft") != (draft_model is not None):
+            raise ValueError("the draft mode drafts from a draft model, and only it does")
         self.mode = mode
+        # rewind.engine.draft_model.DraftModel: a row's drafts come from it, not from its text.
+        self.draft_model = draft_model
         # `auto` feeds only drafts expected to pay (`worth_drafting`); a mode named explicitly
         # feeds every draft found, as long as its row's adaptive length allows.
         self.weighs_cost = weighs_cost
@@ -126,7 +132,8 @@ class Speculator:
                 / (self._agreed + self._disagreed + PRIOR_WEIGHT))
 
     def start(self, prompt: list[int]) -> RowDrafts:
-        return RowDrafts(NgramIndex(prompt), prior=self.prior)
+        model_row = self.draft_model.new_row() if self.draft_model is not None else None
+        return RowDrafts(NgramIndex(prompt), prior=self.prior, model_row=model_row)
 
     def propose(self, drafts: RowDrafts, tenant: str, step: int, limit: int) -> list[int]:
         """The draft of a row whose context is `drafts.index.tokens` (prompt and generated
@@ -135,6 +142,8 @@ class Speculator:
             return []
         limit = min(limit, drafts.length, self.max_draft)
         context = drafts.index.tokens
+        if self.draft_model is not None:
+            return self.draft_model.propose(drafts.model_row, context, limit)
         found = drafts.index.continuation(context, limit)
         if not found and self.pool is not None:
             found = self.pool.continuation(tenant, context, limit)
@@ -192,6 +201,8 @@ class Speculator:
             drafts.paused_until = step + min(1 << (drafts.misses - 1), PAUSE_STEPS_MAX)
 
     def finished(self, drafts: RowDrafts | None, tenant: str, answer: list[int]) -> None:
+        if drafts is not None:
+            drafts.model_row = None  # the row's draft-model cache goes with it
         if drafts is not None and drafts.drafted:
             self.counters.by_row.append(drafts.accepted / drafts.drafted)
             del self.counters.by_row[:-1000]

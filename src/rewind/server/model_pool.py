@@ -93,6 +93,7 @@ class ModelPool:
             backend = current_backend()
         self.backend = backend
         self._slots: dict[Path, Slot] = {}
+        self._draft: Any = None  # the loaded draft model (ServerConfig.draft_model), once loaded
         self._tokenizers = SharedTokenizers()
         self._change: asyncio.Lock | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -390,11 +391,33 @@ class ModelPool:
         kv = kv_shape(loaded.config, element)
         # The engine's scheduler grows each sequence's room in the budget before its tokens.
         memory = None if kv is None else KvAccount(self.budget, kv, str(loaded.name))
-        engine = Engine(loaded, self.config.engine, cache, memory).start()
+        engine = Engine(loaded, self.config.engine, cache, memory,
+                        draft=self._draft_for(loaded)).start()
         slot.engine = engine
         slot.runtime = ModelRuntime(loaded, engine, self.config, self.metrics, cache,
                                     self.budget, kv)
         meter.charge(slot, loaded_bytes(loaded.model) + (0 if shared else tokenizer_bytes(path)))
+
+    def _draft_for(self, loaded: Any) -> Any:
+        """The draft model (loaded once, on the first model's load) where it can draft for
+        `loaded`; None where none is set or its vocabulary differs (that model decodes without
+        it, said in the log)."""
+        if not self.config.draft_model:
+            return None
+        from rewind.engine.draft_model import DraftModelError, check_compatible
+        from rewind.models.loader import load_model
+        from rewind.models.registry import resolve_model
+
+        if self._draft is None:
+            self._draft = load_model(str(resolve_model(self.config.draft_model)),
+                                     **self.load_options)
+            log.info("loaded the draft model %s", self.config.draft_model)
+        try:
+            check_compatible(loaded, self._draft)
+        except DraftModelError as exc:
+            log.warning("%s decodes without the draft model: %s", loaded.name, exc)
+            return None
+        return self._draft
 
     def adopt(self, loaded: Any, engine: Any, prompt_cache: Any = None) -> Slot:
         """Serve a model and engine the caller loaded and owns (never unloaded here)."""
