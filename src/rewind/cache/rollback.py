@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from rewind.cache.kv import GrowingKVCache
@@ -62,8 +63,10 @@ def roll_back(layers: list[Any], tokens: int) -> None:
                 and not block):
             raise ValueError("a sliding-window cache rolls back only right after a "
                              "multi-token update")
+    written: list[Any] = []
     for layer in flat:
         if give_back(layer, tokens):  # a block written into a full window in place
+            written += [layer.keys, layer.values]
             continue
         if type(layer) is RotatingKVCache:
             kept = layer._idx - tokens
@@ -73,6 +76,11 @@ def roll_back(layers: list[Any], tokens: int) -> None:
             layer.offset -= tokens
         else:
             layer.trim(tokens)
+    # The windows' old keys go back now, in the background and in one hand-off to MLX: left to
+    # the next step, each layer's read waited for its own write, ~80 us each (30 a step for the
+    # default model, 2.4 ms of a 25 ms verifying step).
+    if written:
+        mx.async_eval(written)
 
 
 def _flatten(layers: list[Any]):
