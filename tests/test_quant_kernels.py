@@ -171,20 +171,20 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
         lib = native.load_isa(isa)
         # The VNNI build's paths for rows together: the measured rule (AMX for k-quants from 16
         # rows, VNNI strips otherwise), AMX for every type, VNNI strips only, stored blocks only.
-        settings = [("measured", 4)]
+        settings = [("measured", native.STRIPS_ABOVE_DEFAULT)]
         if isa == "avx512vnni":
-            settings += [("all", 4), ("none", 4), ("measured", 1 << 20)]
+            settings += [("measured", 4), ("all", 4), ("none", 4), ("measured", 1 << 20)]
         for rule, strips_above in settings:
             native.set_amx_rule(lib, rule)
             native.set_strips_above(lib, strips_above)
             try:
-                for m in (3, 7, 37):
+                for m in (3, 5, 7, 37):
                     np.testing.assert_array_equal(product(isa, matrix, x[:m]), alone[:m],
                                                   err_msg=f"{isa} {m} rows, AMX {rule}, "
                                                           f"strips above {strips_above}")
             finally:
                 native.set_amx_rule(lib, "measured")
-                native.set_strips_above(lib, 4)
+                native.set_strips_above(lib, native.STRIPS_ABOVE_DEFAULT)
         if native.amx_in_use(lib):
             native.set_amx(lib, False)
             try:

@@ -65,11 +65,12 @@ def main() -> None:
         for path in PATHS:
             native.set_amx_rule(library, {"measured rule": "measured", "AMX for all": "all"}
                                 .get(path, "none"))
-            native.set_strips_above(library, 1 << 20 if path == "stored blocks" else 4)
+            native.set_strips_above(library, {"stored blocks": 1 << 20, "measured rule":
+                                              native.STRIPS_ABOVE_DEFAULT}.get(path, 4))
             cells.append(f"{best_ms(lambda: head.logits(x)):.1f} / "
                          f"{best_ms(layers) * len(forward.layers):.1f}")
         native.set_amx_rule(library, "measured")
-        native.set_strips_above(library, 4)
+        native.set_strips_above(library, native.STRIPS_ABOVE_DEFAULT)
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
 

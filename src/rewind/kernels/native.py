@@ -294,9 +294,13 @@ def set_amx_rule(lib: ctypes.CDLL, rule: str) -> None:
     lib.quant_amx_rule(AMX_RULES[rule])
 
 
+STRIPS_ABOVE_DEFAULT = 6  # quant.c's STRIPS_ABOVE_DEFAULT
+
+
 def set_strips_above(lib: ctypes.CDLL, rows: int) -> None:
-    """The activation rows above which AVX512-VNNI GGUF products take strips (4, the default,
-    and up; at or below, the stored blocks). The same bits either way; for measuring."""
+    """The activation rows above which AVX512-VNNI GGUF products take strips (4 and up;
+    STRIPS_ABOVE_DEFAULT unless set; at or below, the stored blocks). The same bits either way;
+    for measuring."""
     lib.quant_strips_above(max(4, int(rows)))
 
 

@@ -613,8 +613,12 @@ int quant_strips_above(int rows) { (void)rows; return 0; }
 #else
 /* Activation rows above which a product goes through strips (AVX512-VNNI builds); at or below,
    the stored blocks' path, a pass of NR_MAX rows at a time over weights unpacked once. Both give
-   the same bits: only their speed differs (benchmarks/probes/strips_rule.py). */
-static _Atomic int strips_above = NR_MAX;
+   the same bits: only their speed differs (benchmarks/probes/strips_rule.py). 6: a step of the
+   default model over 5 and 6 rows (a row verifying 4 or 5 drafts) took 35.4 and 38.3 ms on the
+   stored blocks against 37.8 and 39.2 through strips; from 7 rows strips were faster (2-core
+   Xeon, benchmarks/probes/verify_cost.py's step, 2026-12-05). */
+#define STRIPS_ABOVE_DEFAULT 6
+static _Atomic int strips_above = STRIPS_ABOVE_DEFAULT;
 static _Atomic int amx_rule = 0; /* quant_amx_rule's */
 
 int quant_amx_rule(int rule) {
