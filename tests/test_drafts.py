@@ -114,29 +114,46 @@ def _slow_continuation(tokens: list[int], limit: int) -> list[int]:
 
 def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
     """A row the model mostly agrees with drafts long alone and still drafts beside two other
-    rows; one it agrees with about half the time drafts a few tokens alone and none beside
-    others (the whole batch would wait for positions it is not expected to keep) until its
-    evidence fades; one it mostly disagrees with does not draft."""
-    from rewind.engine.speculation import ROW_COST, RowDrafts, Speculator
+    rows; one it agrees with about half the time drafts a few tokens alone and at most one
+    beside others, a little less and none (the whole batch would wait for positions it is not
+    expected to keep) until its evidence fades; one it agrees with a fifth of the time does not
+    draft."""
+    from rewind.engine.speculation import RowDrafts, Speculator, step_cost
 
     def row(agreed: float, disagreed: float) -> RowDrafts:
         return RowDrafts(NgramIndex([1, 2, 3]), agreed=agreed, disagreed=disagreed)
 
-    agreeing, middling, doubtful = row(90, 10), row(3, 5), row(1, 12)
-    alone, three = (1.0, 1.0), (3.0, 1 + 2 * ROW_COST)
+    agreeing, middling, wavering, doubtful = row(90, 10), row(3, 5), row(2, 6), row(1, 20)
+    alone, three = (1.0, 1, 1), (3.0, 3, 3)  # (expected tokens, positions, rows)
     assert Speculator.worth_drafting(agreeing, 16, *alone)[0] >= 8
     assert Speculator.worth_drafting(agreeing, 16, *three)[0] >= 4
     assert 0 < Speculator.worth_drafting(middling, 16, *alone)[0] <= 4
-    assert Speculator.worth_drafting(middling, 16, *three)[0] == 0
+    assert Speculator.worth_drafting(middling, 16, *three)[0] <= 1
+    assert Speculator.worth_drafting(wavering, 16, *three)[0] == 0
     assert Speculator.worth_drafting(doubtful, 16, *alone)[0] == 0
     # Held back, a row's evidence fades toward the prior until it drafts again.
-    held_back = 0
-    while not Speculator.worth_drafting(middling, 16, *three)[0]:
+    held_back = 1
+    while not Speculator.worth_drafting(wavering, 16, *three)[0]:
         held_back += 1
     assert 1 <= held_back <= 40
     # Never more than was found, and a step's rate only grows.
-    length, tokens, cost = Speculator.worth_drafting(agreeing, 3, *three)
-    assert 0 < length <= 3 and tokens / cost > three[0] / three[1]
+    length, tokens, positions = Speculator.worth_drafting(agreeing, 3, *three)
+    assert 0 < length <= 3 and positions == 3 + length
+    assert tokens / step_cost(positions, 3) > three[0] / step_cost(3, 3)
+
+
+def test_a_steps_cost_follows_the_measured_points_and_widens_by_the_last_span():
+    """The step cost by positions: the measured points themselves, between them on the line,
+    past them at the last span's rate."""
+    from rewind.engine.speculation import ROW_COST, STEP_COST_BY_POSITIONS, step_cost
+
+    for positions, cost in STEP_COST_BY_POSITIONS:
+        assert step_cost(positions, 1) == pytest.approx(cost)
+    (x0, y0), (x1, y1) = STEP_COST_BY_POSITIONS[-2:]
+    assert step_cost(x1 + 8, 1) == pytest.approx(y1 + 8 * (y1 - y0) / (x1 - x0))
+    assert step_cost(4, 3) == pytest.approx((1.39 + 1.91) / 2 + 2 * ROW_COST)
+    # A wide step's next position costs less than a one-row step's second.
+    assert step_cost(21, 1) - step_cost(20, 1) < step_cost(2, 1) - step_cost(1, 1)
 
 
 def test_a_new_row_starts_from_the_engines_recent_acceptance():
@@ -152,3 +169,14 @@ def test_a_new_row_starts_from_the_engines_recent_acceptance():
     for _ in range(60):
         speculator.record(speculator.start([1, 2, 3]), 0, drafted=4, accepted=4)
     assert speculator.start([1, 2, 3]).acceptance > 0.9
+
+
+def test_auto_trims_a_failing_rows_long_draft_where_an_explicit_mode_feeds_it_all():
+    """Beside two other rows, a row whose last drafts failed feeds a token or two of a
+    16-token draft under `auto`, all 16 under a mode named explicitly."""
+    from rewind.engine.speculation import RowDrafts, Speculator
+
+    failing = RowDrafts(NgramIndex([1, 2, 3]), agreed=0, disagreed=2)
+    auto, explicit = Speculator("suffix"), Speculator("suffix", weighs_cost=False)
+    assert 0 < auto.feed(failing, 16, 3.0, 3, 3)[0] <= 2
+    assert explicit.feed(failing, 16, 3.0, 3, 3) == (16, 3.0 + failing.expected_kept(16), 19)

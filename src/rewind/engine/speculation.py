@@ -40,19 +40,31 @@ FIRST_DRAFT = 4
 MISSES_TO_PAUSE = 2
 PAUSE_STEPS_MAX = 64
 
-# What a step costs, in plain one-row steps, on the CPU kernels (measured on the 2-core Xeon of
-# issue 25 with `python benchmarks/probes/verify_cost.py --rows 1,3`, 1,024 tokens held per row,
-# at 1135dc3: benchmarks/results/verify-cost-xeon-window-blocks.md). A plain step of R rows
-# costs 1 + ROW_COST (R - 1); a row that drafts k tokens adds DRAFT_ROW_COST + DRAFT_TOKEN_COST k.
-# One drafting row measured 0.31, 1.07, 1.52 and 2.14 for k = 1, 4, 8, 16; several drafting
-# rows in one step share the products' weight reads, so the per-token cost is set below the
-# one-row fit (0.13), where three copying sessions at once kept their gain (`rewind bench
-# edits`: 0.57x of `off` at 0.13, against 0.50x with every draft fed). A draft is worth its
-# length only where the tokens it is expected to keep raise the step's tokens a unit of time:
-# the whole batch waits for the longer step.
-ROW_COST = 0.25
-DRAFT_ROW_COST = 0.3
-DRAFT_TOKEN_COST = 0.08
+# What a step costs, in plain one-row steps, by the positions it computes (its rows plus their
+# drafted tokens): measured on the 2-core Xeon with `python benchmarks/probes/verify_cost.py
+# --rows 1,3 --drafts 0,1,2,4,8,16` at b70051f, 1,024 tokens held per row (benchmarks/results/
+# verify-cost-xeon-b70051f.md): one row and k drafted tokens took 19.4, 23.9, 26.9, 37.1, 48.1
+# and 58.8 ms. The cost of a position falls as a step widens (the products read each weight once
+# for every position, and wider products take faster kernels), so a draft beside others' costs
+# less than alone: what a draft adds is the step's cost with it less the cost without it. Past
+# the last point each position adds what the last span did. Each row beyond the first adds
+# ROW_COST besides its positions (its own cache's attention and bookkeeping: three plain rows
+# took 29.9 ms, three rows with 4, 8 and 16 drafted tokens between them 48.8, 56.3 and 68.0).
+STEP_COST_BY_POSITIONS = ((1, 1.0), (2, 1.23), (3, 1.39), (5, 1.91), (9, 2.48), (17, 3.03))
+ROW_COST = 0.12
+
+
+def step_cost(positions: int, rows: int) -> float:
+    """A step's cost in plain one-row steps (STEP_COST_BY_POSITIONS, interpolated)."""
+    points = STEP_COST_BY_POSITIONS
+    if positions >= points[-1][0]:
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+    else:
+        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points, points[1:])
+                                  if positions < b[0])
+    return y0 + (y1 - y0) * (positions - x0) / (x1 - x0) + ROW_COST * max(0, rows - 1)
+
+
 FIRST_PRIOR = 0.8  # a row's acceptance before anything was verified in this engine
 PRIOR_WEIGHT = 5.0  # the prior counts as this many drafted tokens' evidence
 PRIOR_DECAY = 0.98  # the engine-wide evidence behind the prior: about the last 50 drafts
@@ -149,29 +161,30 @@ class Speculator:
             found = self.pool.continuation(tenant, context, limit)
         return found
 
-    def feed(self, drafts: RowDrafts, found: int, tokens: float, cost: float
-             ) -> tuple[int, float, float]:
+    def feed(self, drafts: RowDrafts, found: int, tokens: float, positions: int, rows: int
+             ) -> tuple[int, float, int]:
         """How much of a `found`-token draft a row feeds this step (`worth_drafting` where
-        this speculator weighs cost, else all of it), and the step's tokens and cost with it."""
+        this speculator weighs cost, else all of it), and the step's expected tokens and
+        positions with it."""
         if self.weighs_cost:
-            return self.worth_drafting(drafts, found, tokens, cost)
-        return found, tokens + drafts.expected_kept(found), \
-            cost + (DRAFT_ROW_COST + DRAFT_TOKEN_COST * found if found else 0.0)
+            return self.worth_drafting(drafts, found, tokens, positions, rows)
+        return found, tokens + drafts.expected_kept(found), positions + found
 
     @staticmethod
-    def worth_drafting(drafts: RowDrafts, found: int, tokens: float, cost: float
-                       ) -> tuple[int, float, float]:
-        """How much of a `found`-token draft a row should feed, in a step that so far emits
-        `tokens` (expected) for `cost` (in plain one-row steps): the length that gives the step
-        the most tokens a unit of cost, 0 where none gives more than the step has (the row's
-        evidence then fades toward the prior). Returns (length, tokens, cost) of the step with
-        it."""
-        best = (0, tokens, cost)
+    def worth_drafting(drafts: RowDrafts, found: int, tokens: float, positions: int, rows: int
+                       ) -> tuple[int, float, int]:
+        """How much of a `found`-token draft a row should feed, in a step of `rows` rows that
+        so far computes `positions` positions and emits `tokens` (expected): the length that
+        gives the step the most tokens a unit of its cost (`step_cost`), 0 where none gives
+        more than the step has (the row's evidence then fades toward the prior). Returns
+        (length, tokens, positions) of the step with it."""
+        best = (0, tokens, positions)
+        best_rate = tokens / step_cost(positions, rows)
         for length in range(1, found + 1):
             with_draft = tokens + drafts.expected_kept(length)
-            more_cost = cost + DRAFT_ROW_COST + DRAFT_TOKEN_COST * length
-            if with_draft / more_cost > best[1] / best[2]:
-                best = (length, with_draft, more_cost)
+            rate = with_draft / step_cost(positions + length, rows)
+            if rate > best_rate:
+                best, best_rate = (length, with_draft, positions + length), rate
         if found and not best[0]:
             drafts.agreed *= FADE
             drafts.disagreed *= FADE

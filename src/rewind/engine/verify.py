@@ -20,7 +20,7 @@ from rewind.engine.positions import takes_positions
 from rewind.engine.sampler import Sampled, sample_rows
 from rewind.engine.segment import RowCaches
 from rewind.engine.sequence import Sequence
-from rewind.engine.speculation import ROW_COST, Speculator, tenant_of
+from rewind.engine.speculation import Speculator, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class Verifier:
         # The step's draft budget goes round-robin: each step another row asks first.
         rows = len(decoding)
         first = steps % rows if rows else 0
-        # The step's expected tokens and its cost in plain one-row steps, as drafts join it.
-        tokens, cost = float(rows), 1 + ROW_COST * max(0, rows - 1)
+        # The step's expected tokens and the positions it computes, as drafts join it.
+        tokens, positions = float(rows), rows
         for row in [*range(first, rows), *range(first)]:
             seq = decoding[row]
             drafts = seq.drafts
@@ -71,7 +71,8 @@ class Verifier:
             if limit <= 0:
                 continue
             draft = speculator.propose(drafts, tenant_of(seq.request.extras), steps, limit)
-            length, tokens, cost = speculator.feed(drafts, len(draft), tokens, cost)
+            length, tokens, positions = speculator.feed(drafts, len(draft), tokens, positions,
+                                                        rows)
             if length:
                 out.append((row, draft[:length]))
                 left -= length
