@@ -25,6 +25,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from rewind.cache.kv import GrowingKVCache
+from rewind.engine.vocab import vocab_size
 
 _TRIMMED = (KVCache, GrowingKVCache, QuantizedKVCache)
 PROBE_TEXT = "Draft models must split text into the same tokens: def f(x): return x * 2\n"
@@ -58,9 +59,7 @@ def _copy(array: mx.array | None) -> mx.array | None:
 def check_compatible(target: Any, draft: Any) -> None:
     """Raise DraftModelError unless the two loaded models share a vocabulary: the same number
     of logits and the same tokens for a probe text."""
-    from rewind.engine.engine import _vocab_size
-
-    sizes = [_vocab_size(m.model, m.tokenizer, m.config) for m in (target, draft)]
+    sizes = [vocab_size(m.tokenizer, m.config) for m in (target, draft)]
     if sizes[0] != sizes[1]:
         raise DraftModelError(f"the draft model has {sizes[1]} logits, the model {sizes[0]}: "
                               "a draft model must share the model's vocabulary")

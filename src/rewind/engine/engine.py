@@ -36,6 +36,7 @@ from rewind.engine.runner import ModelRunner
 from rewind.engine.scheduler import Counters, SampleListener, Scheduler
 from rewind.engine.sequence import Sequence
 from rewind.engine.step_plan import StepPlan
+from rewind.engine.vocab import vocab_size
 from rewind.engine.stops import TextStream
 
 log = logging.getLogger(__name__)
@@ -194,13 +195,6 @@ def _check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
                                   f"(ids 0 to {vocab_size - 1})")
 
 
-def _vocab_size(model: Any, tokenizer: Any, config: dict) -> int:
-    for cfg in (config, config.get("text_config") or {}):
-        if isinstance(cfg.get("vocab_size"), int):
-            return cfg["vocab_size"]
-    return len(tokenizer.vocab)
-
-
 class Engine:
     """Continuous batching over one model. `submit` from any thread; events via the handle."""
 
@@ -232,7 +226,7 @@ class Engine:
             self.draft_model = DraftModel(draft)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = _eos_token_ids(loaded.tokenizer, loaded.config)
-        self.vocab_size = _vocab_size(loaded.model, loaded.tokenizer, loaded.config)
+        self.vocab_size = vocab_size(loaded.tokenizer, loaded.config)
         self._grammar = GrammarBackend(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._listeners: list[SampleListener] = [self._record_sample]
         self._step_listeners: list[StepListener] = []
