@@ -44,9 +44,9 @@ PAUSE_STEPS_MAX = 64
 # drafted tokens): measured on the 2-core Xeon with `python benchmarks/probes/verify_cost.py
 # --rows 1,3 --drafts 0,1,2,4,8,16` at b70051f, 1,024 tokens held per row (benchmarks/results/
 # verify-cost-xeon-b70051f.md): one row and k drafted tokens took 19.4, 23.9, 26.9, 37.1, 48.1
-# and 58.8 ms. The cost of a position falls as a step widens (the products read each weight once
-# for every position, and wider products take faster kernels), so a draft beside others' costs
-# less than alone: what a draft adds is the step's cost with it less the cost without it. Past
+# and 58.8 ms. The cost of a position falls, overall, as a step widens (the products read each
+# weight once for every position, and wider products take faster kernels), so a draft beside
+# others' costs less than alone: what a draft adds is the step's cost with it less without it. Past
 # the last point each position adds what the last span did. Each row beyond the first adds
 # ROW_COST besides its positions (its own cache's attention and bookkeeping: three plain rows
 # took 29.9 ms, three rows with 4, 8 and 16 drafted tokens between them 48.8, 56.3 and 68.0).
