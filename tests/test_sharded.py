@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rewind.bench.harness import free_port
+from rewind.bench.harness import free_port, free_port_run
 
 TESTS = Path(__file__).resolve().parent
 DRIVER = TESTS / "sharded_driver.py"
@@ -34,7 +34,7 @@ def run_sharded(model: str, out: Path, layout: str = "tensor",
                 timeout: float = 600) -> dict[str, Any]:
     """The driver on two ranks; returns rank 0's results and every rank's cache stats."""
     launcher = Path(sys.executable).parent / "mlx.launch"
-    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port_run(2)), "--",
                sys.executable, str(DRIVER), model, str(out)]
     if layout == "pipeline":
         command.append("--pipeline")
@@ -160,7 +160,7 @@ def test_pipeline_refused_for_a_family_without_it(tiny_model_path: Callable[[str
     """mlx-lm's llama has no pipeline(): `mlx.launch -- rewind serve --pipeline` exits with a
     clear error on every rank (before any collective, so nothing hangs)."""
     launcher = Path(sys.executable).parent / "mlx.launch"
-    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port_run(2)), "--",
                sys.executable, "-m", "rewind", "serve", "--model", str(tiny_model_path("llama")),
                "--port", str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--pipeline"]
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -198,7 +198,7 @@ def test_rewind_serve_under_mlx_launch(tiny_model_path: Callable[[str], Path],
         expected = httpx.post(f"{single.url}/v1/chat/completions", json=body, timeout=60).json()
     port = free_port()
     launcher = Path(sys.executable).parent / "mlx.launch"
-    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--",
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port_run(2)), "--",
                sys.executable, "-m", "rewind", "serve", "--model", str(folder), "--port",
                str(port), "--cache-dir", str(tmp_path / "cache")]
     src = str(Path(__file__).resolve().parents[1] / "src")

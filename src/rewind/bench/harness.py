@@ -43,6 +43,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_run(count: int, tries: int = 50) -> int:
+    """The first of `count` consecutive ports that were all free a moment ago on loopback:
+    `mlx.launch --backend ring -p P` gives rank i port P + i, and a free P alone left rank 1 to
+    find P + 1 taken ("Couldn't bind socket", seen in CI)."""
+    for _ in range(tries):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(sock)
+                sock.bind((LOOPBACK, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports on loopback in {tries} tries")
+
+
 def tree_rss_bytes(pid: int) -> int:
     """RSS of a process and all its descendants; 0 once it is gone."""
     try:
