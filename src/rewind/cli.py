@@ -9,6 +9,7 @@ and sets `func`. Command modules import mlx and friends inside their functions s
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -20,10 +21,16 @@ COMMAND_MODULES = ("serve", "generate", "chat", "convert", "models", "pull", "ps
                    "cache", "bench")
 
 
+@functools.cache
+def _mlx_install() -> mlx_install.MlxInstall:
+    """This process's MLX install, read once (main checks it, --version says it)."""
+    return mlx_install.inspect()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rewind", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version",
-                        version=f"rewind {__version__}, {mlx_install.inspect().describe()}")
+                        version=f"rewind {__version__}, {_mlx_install().describe()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -47,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rewind: {exc}", file=sys.stderr)
         sys.exit(2)
     if not env.blas_reexecuted():
-        install = mlx_install.inspect()
+        install = _mlx_install()
         if install.problem:
             # No backend at all: nothing could run. Two backends: it runs, maybe not where meant.
             print(f"rewind: {'error' if install.library_owner is None else 'warning'}: "
