@@ -84,8 +84,6 @@ class DraftModel:
         if unsupported:
             raise DraftModelError(f"a draft model's caches must be attention caches; this one "
                                   f"has {', '.join(sorted(unsupported))}")
-        self.tokens_fed = 0  # every token the draft model was given, drafted or caught up
-        self.catch_up_calls = 0
 
     def new_row(self) -> DraftRow:
         return DraftRow(self.runner.new_cache())
@@ -100,7 +98,6 @@ class DraftModel:
         missing = held[len(row.tokens):]
         if len(missing) > self.catch_up_tokens:
             self._feed(row, missing[:self.catch_up_tokens], logits=False)
-            self.catch_up_calls += 1
             return []
         if missing:
             self._feed(row, missing, logits=False)
@@ -150,7 +147,6 @@ class DraftModel:
     def _feed(self, row: DraftRow, tokens: list[int], logits: bool) -> mx.array | None:
         out = self.runner.prefill(row.cache, tokens, len(row.tokens), logits=logits)
         row.tokens.extend(tokens)
-        self.tokens_fed += len(tokens)
         if out is not None:
             mx.eval(out)
         return out
