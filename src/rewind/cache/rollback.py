@@ -26,7 +26,8 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKV
 from rewind.cache.kv import GrowingKVCache
 from rewind.cache.window_blocks import give_back, held_block
 
-_TRIMMED = (KVCache, GrowingKVCache, QuantizedKVCache)
+# Caches whose rollback is a lower offset (the rows past it are dead).
+TRIMMED_CACHES = (KVCache, GrowingKVCache, QuantizedKVCache)
 
 
 def rolls_back(layers: list[Any]) -> bool:
@@ -37,7 +38,7 @@ def rolls_back(layers: list[Any]) -> bool:
 def _rolls_back(layer: Any) -> bool:
     if type(layer) is CacheList:
         return all(_rolls_back(inner) for inner in layer.caches)
-    return type(layer) in _TRIMMED or (type(layer) is RotatingKVCache and layer.keep == 0)
+    return type(layer) in TRIMMED_CACHES or (type(layer) is RotatingKVCache and layer.keep == 0)
 
 
 def roll_back(layers: list[Any], tokens: int) -> None:

@@ -22,12 +22,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
 
-from rewind.cache.kv import GrowingKVCache
+from rewind.cache.rollback import TRIMMED_CACHES
 from rewind.engine.vocab import vocab_size
 
-_TRIMMED = (KVCache, GrowingKVCache, QuantizedKVCache)
 PROBE_TEXT = "Draft models must split text into the same tokens: def f(x): return x * 2\n"
 
 
@@ -80,7 +79,7 @@ class DraftModel:
         self.catch_up_tokens = catch_up_tokens
         probe = self.runner.new_cache()
         unsupported = {type(c).__name__ for c in probe
-                       if not isinstance(c, _TRIMMED) and type(c) is not RotatingKVCache}
+                       if not isinstance(c, TRIMMED_CACHES) and type(c) is not RotatingKVCache}
         if unsupported:
             raise DraftModelError(f"a draft model's caches must be attention caches; this one "
                                   f"has {', '.join(sorted(unsupported))}")
@@ -135,13 +134,11 @@ class DraftModel:
     def _snapshot(self, row: DraftRow) -> _Snapshot:
         layers: list[tuple[str, Any]] = []
         for cache in row.cache:
-            if isinstance(cache, _TRIMMED):
+            if isinstance(cache, TRIMMED_CACHES):
                 layers.append(("trim", cache.offset))
             else:
-                keys, values, offset, keep, max_size, idx = cache.state if cache.keys is not None \
-                    else (None, None, cache.offset, cache.keep, cache.max_size, cache._idx)
-                layers.append(("state", (_copy(keys), _copy(values), offset, keep, max_size,
-                                         idx)))
+                keys, values, *meta = cache.state  # keys None while the ring is empty
+                layers.append(("state", (_copy(keys), _copy(values), *meta)))
         return _Snapshot(len(row.tokens), layers)
 
     def _feed(self, row: DraftRow, tokens: list[int], logits: bool) -> mx.array | None:
