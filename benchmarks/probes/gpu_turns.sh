@@ -20,7 +20,7 @@ if [ "$part" = all ] || [ "$part" = turns ]; then
   python3 benchmarks/probes/turn_latency.py --shape "${SHAPE:-qwen3.5-0.8b}" --json "$out/turn-latency.json" > "$out/turn-latency.txt" 2>&1
   tail -n 20 "$out/turn-latency.txt"
 fi
-if [ "$part" = all ] || [ "$part" = turns ] && [ -n "${INSTALL_TEST:-}" ]; then
+if [ -n "${INSTALL_TEST:-}" ] && { [ "$part" = all ] || [ "$part" = turns ] || [ "$part" = install ]; }; then
   (
     links="--no-index --find-links /root/stage --find-links .gpu2/extra"
     report() { env PYTHONPATH="$PWD/src" "$1/bin/python" -m rewind.mlx_install;
@@ -28,11 +28,13 @@ if [ "$part" = all ] || [ "$part" = turns ] && [ -n "${INSTALL_TEST:-}" ]; then
     fresh() { rm -rf "$1" && python3 -m venv --system-site-packages "$1"; }
     # pip resolves the NVIDIA libraries from the system's site-packages (the CUDA PyTorch there);
     # where it cannot, the same wheels go in without their dependencies.
-    install() { local v="$1"; shift; "$v/bin/pip" install -q $links "$@" || "$v/bin/pip" install -q $links --no-deps "$@"; }
+    # Without PYTHONPATH: pip would count the packages under /tmp/site as installed here.
+    install() { local v="$1"; shift; env -u PYTHONPATH "$v/bin/pip" install -q $links "$@" ||
+                env -u PYTHONPATH "$v/bin/pip" install -q $links --no-deps "$@"; }
     echo "== [cuda] now: mlx[cuda13] alone"; fresh /tmp/iv-a; install /tmp/iv-a 'mlx[cuda13]==0.32.4' mlx-cuda-13==0.32.4; report /tmp/iv-a
     echo "== before: mlx[cpu] hard plus the cuda extra, one pip transaction"; fresh /tmp/iv-b; install /tmp/iv-b 'mlx[cpu,cuda13]==0.32.4' mlx-cpu==0.32.4 mlx-cuda-13==0.32.4; report /tmp/iv-b
     echo "== mlx-cpu installed later into the [cuda] venv"; install /tmp/iv-a mlx-cpu==0.32.4; report /tmp/iv-a
-    echo "== the fix rewind.mlx_install prints"; /tmp/iv-a/bin/pip uninstall -q -y mlx-cpu && install /tmp/iv-a --force-reinstall --no-deps mlx-cuda-13==0.32.4; report /tmp/iv-a
+    echo "== the fix rewind.mlx_install prints"; env -u PYTHONPATH /tmp/iv-a/bin/pip uninstall -q -y mlx-cpu && install /tmp/iv-a --force-reinstall --no-deps mlx-cuda-13==0.32.4; report /tmp/iv-a
   ) > "$out/install.txt" 2>&1
   cat "$out/install.txt" | grep -v "^WARNING" | tail -n 40
 fi

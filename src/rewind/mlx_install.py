@@ -13,6 +13,7 @@ against each package's RECORD say whose it is.
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
 import importlib.metadata as metadata
 import sys
@@ -57,18 +58,31 @@ def _canonical(name: str) -> str:
     return name.lower().replace("_", "-")
 
 
+def _library_entry(dist: metadata.Distribution) -> tuple[str, int | None, str | None] | None:
+    """libmlx's row of the package's RECORD: (path, size, sha256). Read from RECORD itself, not
+    `dist.files`: from Python 3.12 that leaves out files missing on disk, and a library another
+    package's uninstall deleted is the case this module is for."""
+    for row in csv.reader((dist.read_text("RECORD") or "").splitlines()):
+        if row and row[0] in LIBRARY_NAMES:
+            digest = row[1] if len(row) > 1 else ""
+            size = row[2] if len(row) > 2 else ""
+            return (row[0], int(size) if size.isdigit() else None,
+                    digest.split("=", 1)[1] if digest.startswith("sha256=") else None)
+    return None
+
+
 def _backend_packages(paths: Iterable[str] | None) -> list[BackendPackage]:
     found: dict[str, BackendPackage] = {}
     for dist in metadata.distributions(**({"path": list(paths)} if paths is not None else {})):
         name = _canonical(dist.metadata["Name"] or "")
         if name not in BACKEND_PACKAGES or name in found:  # the first on the path wins, as imports do
             continue
-        entry = next((f for f in dist.files or () if str(f) in LIBRARY_NAMES), None)
+        entry = _library_entry(dist)
         found[name] = BackendPackage(
             name=name, version=dist.version, backend=BACKEND_PACKAGES[name],
-            library=Path(str(dist.locate_file(entry))) if entry is not None else None,
-            size=entry.size if entry is not None else None,
-            sha256=entry.hash.value if entry is not None and entry.hash else None)
+            library=Path(str(dist.locate_file(entry[0]))) if entry is not None else None,
+            size=entry[1] if entry is not None else None,
+            sha256=entry[2] if entry is not None else None)
     return sorted(found.values(), key=lambda p: p.name)
 
 
