@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rewind.config import EngineConfig
+from rewind.config import CacheConfig, EngineConfig
 from rewind.engine.warm_up import DECODE_TOKENS, PROMPT_LENGTHS, warm_up, warm_up_prompt
 
 
@@ -15,11 +15,26 @@ from rewind.engine.warm_up import DECODE_TOKENS, PROMPT_LENGTHS, warm_up, warm_u
 def test_warm_up_generates_through_its_own_engine_and_stops_it(tiny_loaded, family: str) -> None:
     loaded = tiny_loaded(family)
     engines_before = {t for t in threading.enumerate() if t.name == "rewind-engine"}
-    seconds, generated = warm_up(loaded, EngineConfig())
-    assert seconds > 0
-    assert len(PROMPT_LENGTHS) <= generated <= len(PROMPT_LENGTHS) * DECODE_TOKENS
+    done = warm_up(loaded, EngineConfig())
+    assert done.seconds > 0
+    assert len(PROMPT_LENGTHS) <= done.generated <= len(PROMPT_LENGTHS) * DECODE_TOKENS
+    assert done.cached_tokens == 0  # no prompt cache, no cached turn
     engines_after = {t for t in threading.enumerate() if t.name == "rewind-engine" and t.is_alive()}
     assert engines_after <= engines_before
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_warm_up_runs_a_cached_turn_where_the_server_caches_prompts(
+        tiny_loaded, family: str, tmp_path) -> None:
+    """The third request restores the first prompt's last point but one (299 of 300 tokens),
+    through a cache of the warm-up's own: nothing reaches the server's folder."""
+    loaded = tiny_loaded(family)
+    server_cache = CacheConfig(cache_dir=tmp_path / "cache", persist=True)
+    done = warm_up(loaded, EngineConfig(), server_cache)
+    assert done.cached_tokens == PROMPT_LENGTHS[0] - 1
+    assert len(PROMPT_LENGTHS) + 1 <= done.generated <= (len(PROMPT_LENGTHS) + 1) * DECODE_TOKENS
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    assert warm_up(loaded, EngineConfig(), CacheConfig(enabled=False)).cached_tokens == 0
 
 
 def test_warm_up_prompt_is_ordinary_text_of_the_asked_length(tiny_loaded) -> None:

@@ -78,7 +78,7 @@ def main() -> int:
     loaded = build_model(args.shape, family, overrides, work)
     vocab = int(loaded.config.get("vocab_size") or overrides["vocab_size"])
     config = EngineConfig()
-    warm_up(loaded, config)
+    warm_up(loaded, config, CacheConfig())  # as the server does: a cached turn included
     scratch = Path(tempfile.mkdtemp(prefix="rewind-probe-cache-"))
     cache = PromptCache(loaded.model, loaded.fingerprint, CacheConfig(cache_dir=scratch))
     engine = Engine(loaded, config, cache)

@@ -386,7 +386,8 @@ class ModelPool:
         if self.config.warm_up and self.backend != "cpu":
             from rewind.engine.warm_up import warm_up
 
-            slot.warm_up_seconds, _ = warm_up(loaded, self.config.engine)
+            slot.warm_up_seconds = warm_up(loaded, self.config.engine,
+                                           self.config.engine.cache).seconds
         element = 4 if self.backend == "cpu" else 2
         kv = kv_shape(loaded.config, element)
         # The engine's scheduler grows each sequence's room in the budget before its tokens.
