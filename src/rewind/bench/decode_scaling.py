@@ -106,6 +106,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
     from rewind.engine import Engine
+    from rewind.kernels import folded_linear
     from rewind.kernels.gated_delta import ENV as GATED_DELTA_ENV
     from rewind.models.loader import describe_compute
 
@@ -150,7 +151,8 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
             run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
         if "mlx-lm" in args.parts:
             os.environ[GATED_DELTA_ENV] = "off"
-            run_mlx_lm(loaded.model, prompts(warm, 64), 8)
+            with folded_linear.stepped_aside():
+                run_mlx_lm(loaded.model, prompts(warm, 64), 8)
             os.environ.pop(GATED_DELTA_ENV, None)
         for count in streams:
             if "engine" in args.parts and not deadline.passed():
@@ -160,12 +162,13 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                 record("greedy", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, None))
             if "mlx-lm" in args.parts and not deadline.passed():
-                # mlx-lm as shipped: Rewind's gated delta kernel (installed on the model's
-                # modules by the loader) steps aside while it runs (read at each call).
+                # mlx-lm as shipped: Rewind's gated delta kernel and folded linear layers
+                # (installed on the model's modules by the loader) step aside while it runs.
                 os.environ[GATED_DELTA_ENV] = "off"
                 try:
-                    record("mlx-lm", count,
-                           run_mlx_lm(loaded.model, prompts(count), args.decode_tokens))
+                    with folded_linear.stepped_aside():
+                        record("mlx-lm", count,
+                               run_mlx_lm(loaded.model, prompts(count), args.decode_tokens))
                 finally:
                     os.environ.pop(GATED_DELTA_ENV, None)
             mx.clear_cache()

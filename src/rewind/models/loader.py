@@ -156,10 +156,12 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 
     target = dtype or compute_dtype()
     if not is_cpu_backend():
+        from rewind.kernels import folded_linear
         from rewind.kernels.gated_delta import use_in_model
 
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
+        folded_linear.use_in_model(model)  # a decode batch's rows through one product
         if mx.cuda.is_available():
             from rewind.kernels import shifted_conv
 
