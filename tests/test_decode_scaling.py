@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rewind.bench import decode_scaling
-from rewind.bench.decode_scaling_bound import StreamBytes
+from rewind.bench.decode_scaling_bound import StreamBytes, hbm_bytes_per_s
 from rewind.bench.decode_scaling_window import all_decoding_window, stagger_tokens
 
 
@@ -26,6 +26,15 @@ def test_bound_reads_weights_once_and_each_rows_state() -> None:
     sizes = StreamBytes(weight_bytes=4_800_000, kv_bytes_per_token=100, fixed_state_bytes=0)
     assert sizes.step_bytes(2, 1000) == 4_800_000 + 2 * 100 * 1000
     assert round(sizes.bound_tok_s(1, 0)) == 1_000_000  # 1 ms a step at 4.8 TB/s
+
+
+def test_the_bound_takes_the_cards_own_bandwidth() -> None:
+    sizes = StreamBytes(weight_bytes=3_350_000, kv_bytes_per_token=0, fixed_state_bytes=0)
+    h100 = hbm_bytes_per_s("NVIDIA H100 80GB HBM3")
+    assert round(sizes.bound_tok_s(1, 0, h100)) == 1_000_000  # 1 ms a step at 3.35 TB/s
+    assert hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert hbm_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12
+    assert hbm_bytes_per_s(None) == 4.8e12  # no NVIDIA card: the report names none
 
 
 def test_stagger_covers_one_chunk_per_step() -> None:

@@ -42,7 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.decode_scaling_bound import HBM_BYTES_PER_S, stream_bytes
+from rewind.bench.decode_scaling_bound import gpu_name, hbm_bytes_per_s, stream_bytes
 from rewind.bench.decode_scaling_engine import run_engine
 from rewind.bench.decode_scaling_http import run_http, start_server
 from rewind.bench.decode_scaling_kernels import run_kernel_trace
@@ -137,7 +137,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     def record(part: str, count: int, result: dict[str, Any]) -> None:
         context = result.get("mean_context", args.prompt_tokens + args.decode_tokens / 2)
         if "tok_s" in result:
-            bound = sizes.bound_tok_s(count, context)
+            bound = sizes.bound_tok_s(count, context, report["hbm_bytes_per_s"])
             result["bound_tok_s"] = round(bound, 1)
             result["of_bound"] = round(result["tok_s"] / bound, 3)
         entry["rows"].setdefault(str(count), {})[part] = result
@@ -226,10 +226,11 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown model shape(s) {unknown}; known: {', '.join(shapes)}")
     deadline = Deadline(args.deadline_s)
+    gpu = gpu_name()
     report: dict[str, Any] = {
         "command": command_line(), "commit": args.commit, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-        "hbm_bytes_per_s": HBM_BYTES_PER_S, "llama_cpp_quoted": LLAMA_CPP_QUOTED,
+        "gpu": gpu, "hbm_bytes_per_s": hbm_bytes_per_s(gpu), "llama_cpp_quoted": LLAMA_CPP_QUOTED,
         "models": {}}
 
     def save() -> None:

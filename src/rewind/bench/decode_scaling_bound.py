@@ -1,17 +1,44 @@
 """The HBM-bandwidth bound on decode tokens/s: a decode step must read every weight once (the tied
 embedding as the output head) and each row's KV cache (and a linear-attention layer's recurrent
-state); at 4.8 TB/s that takes (weight bytes + N x state bytes) / 4.8e12 s, so N streams cannot
-beat N / that tokens/s.
+state); at the card's bandwidth B that takes (weight bytes + N x state bytes) / B s, so N streams
+cannot beat N / that tokens/s.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from dataclasses import dataclass
 from typing import Any
 
 from rewind.bench.decode_scaling_models import FIRST_FREE_ID
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; a read probe there reached 4.58e12 (shared/GPU.md)
+# Datasheet bandwidths by the name nvidia-smi gives, most specific first (an H100 80GB HBM3 is the
+# SXM card). A card not listed gets the H200's, and the report names the card.
+HBM_BY_GPU: tuple[tuple[str, float], ...] = (
+    ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
+
+
+def hbm_bytes_per_s(gpu: str | None) -> float:
+    for marker, bandwidth in HBM_BY_GPU:
+        if gpu and marker in gpu:
+            return bandwidth
+    return HBM_BYTES_PER_S
+
+
+def gpu_name() -> str | None:
+    """The first NVIDIA GPU's name, as nvidia-smi gives it (None without one)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        done = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = done.stdout.strip().splitlines()
+    return names[0].strip() if done.returncode == 0 and names else None
 
 
 @dataclass
@@ -26,8 +53,8 @@ class StreamBytes:
         return self.weight_bytes + rows * (self.kv_bytes_per_token * context
                                            + self.fixed_state_bytes)
 
-    def bound_tok_s(self, rows: int, context: float) -> float:
-        return rows / (self.step_bytes(rows, context) / HBM_BYTES_PER_S)
+    def bound_tok_s(self, rows: int, context: float, hbm: float = HBM_BYTES_PER_S) -> float:
+        return rows / (self.step_bytes(rows, context) / hbm)
 
 
 def stream_bytes(loaded: Any) -> StreamBytes:

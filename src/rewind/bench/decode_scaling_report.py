@@ -44,7 +44,7 @@ def markdown(report: dict[str, Any]) -> str:
             n = int(count)
             context = (parts.get("engine") or parts.get("greedy") or parts.get("mlx-lm")
                        or {}).get("mean_context", report["prompt_tokens"])
-            bound = sizes.bound_tok_s(n, context)
+            bound = sizes.bound_tok_s(n, context, hbm)
             cells = [count, _cell(parts.get("engine")), _cell(parts.get("greedy")),
                      _cell(parts.get("http")), _cell(parts.get("mlx-lm")),
                      f"{bound:,.0f} (at {context:.0f} tokens)"]
@@ -52,7 +52,7 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append(f"{quoted[n]:,}" if n in quoted else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Bound arithmetic (bytes read per step / "
-                  f"{hbm / 1e12:.1f} TB/s):", ""]
+                  f"{hbm / 1e12:.2f} TB/s, {report.get('gpu') or 'an H200'}'s bandwidth):", ""]
         for count, parts in sorted(entry["rows"].items(), key=lambda kv: int(kv[0])):
             n = int(count)
             context = (parts.get("engine") or parts.get("greedy") or parts.get("mlx-lm")
@@ -63,7 +63,7 @@ def markdown(report: dict[str, Any]) -> str:
                      + ")")
             lines.append(f"- N={n}: ({sizes.weight_bytes} B + {state}) = {step / 1e9:.3f} GB "
                          f"-> {1e3 * step / hbm:.3f} ms a step -> {n} / that = "
-                         f"{sizes.bound_tok_s(n, context):,.0f} tok/s")
+                         f"{sizes.bound_tok_s(n, context, hbm):,.0f} tok/s")
         per_step = [(count, parts["engine"]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
                     if "engine" in parts and parts["engine"].get("per_step", {}).get("steps")]

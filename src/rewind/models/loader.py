@@ -161,7 +161,8 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
-        folded_linear.use_in_model(model)  # a decode batch's rows through one product
+        if not env.fold_linear_off():
+            folded_linear.use_in_model(model)  # a decode batch's rows through one product
         if mx.cuda.is_available():
             from rewind.kernels import shifted_conv
 
