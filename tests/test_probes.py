@@ -25,7 +25,8 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.parametrize("probe", ["cpu_attention", "gated_delta", "kv_append", "form_speed",
                                    "verify_cost", "decode_kernels", "decode_profile",
-                                   "prefill_split"])
+                                   "prefill_split", "new_shapes", "turn_latency",
+                                   "cached_turn_profile", "folded_linear_ab"])
 def test_probe_starts(probe: str) -> None:
     done = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], env=_env(),
                           capture_output=True, text=True, timeout=120)

@@ -66,7 +66,7 @@ def main() -> int:
     from rewind.engine import Engine
     from rewind.engine.warm_up import warm_up
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/cached_turn_profile.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3.5-0.8b", help=", ".join({**SHAPES, **QUICK_SHAPES}))
     parser.add_argument("--prefix", type=int, default=3200)
     parser.add_argument("--tail", type=int, default=155)

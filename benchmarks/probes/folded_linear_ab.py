@@ -25,7 +25,7 @@ def main() -> int:
     from rewind.engine import Engine
     from rewind.kernels import folded_linear
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/folded_linear_ab.py", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen3.5-0.8b"])
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=1024)

@@ -144,7 +144,7 @@ def model_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/new_shapes.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, short prefix")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

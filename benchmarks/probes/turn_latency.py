@@ -53,7 +53,7 @@ def main() -> int:
     from rewind.bench.harness import LOOPBACK, ServerProcess, free_port
     from rewind.bench.decode_scaling_models import QUICK_SHAPES, SHAPES, build_model, make_prompts
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/turn_latency.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3.5-0.8b", help=", ".join({**SHAPES, **QUICK_SHAPES}))
     parser.add_argument("--prefix", type=int, default=3200)
     parser.add_argument("--runs", default="empty/no-warm-up,empty/warm-up,kept/warm-up",
