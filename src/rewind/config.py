@@ -137,11 +137,6 @@ class EngineConfig:
     # (sampling, detokenizing, streaming) overlaps the device's. None: on GPUs only (the CPU
     # kernels compute as they are called, so there is nothing to overlap).
     pipeline_decode: bool | None = None
-    # Queue a prompt call whose logits nobody reads without waiting for it (at most one call
-    # ahead), so the next call's graph is built while the device runs this one: on an H100 a
-    # Qwen 3.5 0.8B-shaped call spent ~3 ms of its 9-11 ms building the graph, then waited.
-    # None: on GPUs only (the CPU kernels compute as they are called).
-    queue_prefill: bool | None = None
     max_kv_size: int | None = None
     kv_bits: int | None = None
     # Draftless speculative decoding (rewind.engine.speculation): auto, off, ngram (a row's own
@@ -184,13 +179,6 @@ class EngineConfig:
     def resolved_pipeline_decode(self) -> bool:
         if self.pipeline_decode is not None:
             return self.pipeline_decode
-        import mlx.core as mx
-
-        return mx.default_device() != mx.cpu
-
-    def resolved_queue_prefill(self) -> bool:
-        if self.queue_prefill is not None:
-            return self.queue_prefill
         import mlx.core as mx
 
         return mx.default_device() != mx.cpu

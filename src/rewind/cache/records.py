@@ -109,18 +109,6 @@ def _copy(array: mx.array) -> mx.array:
     return mx.contiguous(array)  # a real copy, also of slices that are already contiguous
 
 
-def _settle(arrays: list[mx.array]) -> None:
-    """Compute a snapshot's copies: at once on the CPU; on a GPU queued behind the call that
-    filled the cache, so the engine builds its next call meanwhile instead of waiting
-    (EngineConfig.queue_prefill). MLX's arrays are values: the copies read the cache as it was
-    here, whatever a later call writes into it, and whoever reads a record's arrays later
-    (a restore, the disk writer's `mx.eval` on the engine thread) waits for them."""
-    if mx.default_device() == mx.cpu:
-        mx.eval(arrays)
-    else:
-        mx.async_eval(arrays)
-
-
 def _rows(array: mx.array, start: int, end: int) -> mx.array:
     return _copy(array[..., start:end, :])
 
@@ -182,7 +170,7 @@ def snapshot_kv(cache: Sequence[Any], block: BlockIdentity, extras_digest: str) 
         else:
             arrays[f"{path}.k"] = _rows(layer.keys, block.start, block.end)
             arrays[f"{path}.v"] = _rows(layer.values, block.start, block.end)
-    _settle(list(arrays.values()))
+    mx.eval(list(arrays.values()))
     return Record(arrays=arrays, meta=meta)
 
 
@@ -213,7 +201,7 @@ def snapshot_window(cache: Sequence[Any], block: BlockIdentity) -> Record | None
         meta[f"{path}.from"] = str(lo)
     if not found:
         return None
-    _settle(list(arrays.values()))
+    mx.eval(list(arrays.values()))
     return Record(arrays=arrays, meta=meta)
 
 
@@ -248,7 +236,7 @@ def snapshot_state(cache: Sequence[Any], end: int) -> Record | None:
                 arrays[f"{path}.{index}"] = _copy(value)
     if not found:
         return None
-    _settle(list(arrays.values()))
+    mx.eval(list(arrays.values()))
     return Record(arrays=arrays, meta=meta)
 
 

@@ -245,8 +245,7 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded.model, max_kv_size=self.config.max_kv_size,
             chunk_tokens=self.config.chunk_tokens, block_tokens=block_tokens_of(self.prompt_cache),
-            fault=forward_fault(str(getattr(self.loaded, "name", ""))),
-            queue_prefill=self.config.resolved_queue_prefill())
+            fault=forward_fault(str(getattr(self.loaded, "name", ""))))
         self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
                                     self.eos_token_ids, self._listeners, counters, self.memory,
                                     draft_model=self.draft_model)
@@ -382,7 +381,6 @@ class Engine:
             "requests_finished": counters.requests_finished,
             "steps": counters.steps,
             "pipelined_steps": counters.pipelined_steps,
-            "queued_prefill_calls": self.runner.queued_calls,  # since the runner was built
             "finish_reasons": dict(counters.finish_reasons),
             "prompt_tokens": counters.prompt_tokens,
             "prefilled_tokens": counters.prefilled_tokens,

@@ -44,15 +44,8 @@ class ModelRunner:
     def __init__(self, model: Any, max_kv_size: int | None = None,
                  chunk_tokens: int | None = None, kernels: ModelKernels | None = None,
                  fault: Callable[[], None] | None = None,
-                 block_tokens: int = BLOCK_TOKENS, queue_prefill: bool = False) -> None:
+                 block_tokens: int = BLOCK_TOKENS) -> None:
         self.model = model
-        # Prompt calls whose logits nobody reads are queued, not waited for
-        # (EngineConfig.queue_prefill); `_queued` holds the last such call's cache states until
-        # the next one is queued, which then waits for it: one call ahead at most, since a
-        # queued call's temporaries are allocated as it is queued.
-        self.queue_prefill = queue_prefill
-        self._queued: list[Any] | None = None
-        self.queued_calls = 0
         # Tests only: called before each forward call, may raise (rewind.engine.faults).
         self.fault = fault
         # The kernel backend's pieces for this model (rewind.kernels.backend): handed in, or
@@ -177,33 +170,13 @@ class ModelRunner:
             taken.append(index)
         if not segments:
             return out
-        queued = (self.queue_prefill and not plan.decode and not plan.pipelined
-                  and not any(s.logits for s in segments))
-        logits = self.forward(segments, evaluate=not plan.pipelined and not queued)
-        if queued:
-            self._queue([[layer.state for layer in s.cache] for s in segments])
-        elif self._queued is not None:
-            # Held no longer than the next step: a finished sequence's cache must not outlive it
-            # here. A pipelined step has not waited for anything yet, so it waits for that call.
-            previous, self._queued = self._queued, None
-            if plan.pipelined:
-                mx.eval(previous)
+        logits = self.forward(segments, evaluate=not plan.pipelined)
         out.decode_logits = logits[:decode_count]
         for index, segment, call_logits in zip(taken, segments[decode_count:],
                                                logits[decode_count:]):
             out.prefill_logits[index] = call_logits
             out.carried[index] = segment.carry
         return out
-
-    def _queue(self, states: list[Any]) -> None:
-        """Start evaluating a prompt call's cache states and return; first wait for the call
-        queued before it. A failure of that work raises at the next wait, from a later step
-        (the engine then ends every request in it, as for any failed forward pass)."""
-        mx.async_eval(states)
-        self.queued_calls += 1
-        previous, self._queued = self._queued, states
-        if previous is not None:
-            mx.eval(previous)
 
     def forward(self, segments: list[Segment], evaluate: bool = True) -> list[mx.array | None]:
         """Run every segment; return each one's last-position logits [B, vocab] where it asked
