@@ -8,9 +8,13 @@ which reads the weights once. On an H100 (Llama-3.2-1B shape, random bf16 weight
 `gemv_batched` took 4.37 ms of a decode step's 7.03 ms of GPU time
 (benchmarks/results/gpu/decode-kernels-h100-8cf6545.md).
 
-The fold is a reshape of contiguous rows (no copy). A GEMM may sum in another order than a
-matrix-vector kernel, which MLX's GPU batches already do from one batch size to the next: the
-prompt cache's equivalence holds per batch, as before.
+The fold is a reshape of contiguous rows (no copy). The price: a row's result now depends on
+how many rows share the step (a GEMM sums in another order than a matrix-vector kernel, and
+cuBLAS picks its algorithm by shape), where MLX's per-row products gave each row the same bits
+at any batch size. MLX's attention on a GPU already did not (mixed-length batches take its
+unfused path, a lone row cuDNN's), so a greedy answer on a GPU could already differ with the
+load; the prompt cache's equivalence (a restored prompt answers as a cold one in the same
+batch) is unchanged. `REWIND_FOLD_LINEAR=off` keeps MLX's way.
 """
 
 from __future__ import annotations
