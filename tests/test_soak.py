@@ -1,5 +1,6 @@
-"""The soak in CI: 32 streaming clients for two minutes against `rewind serve` on a tiny model,
-in its own process (its RSS is the server's alone). `rewind bench soak` is the 30-minute run."""
+"""The soak in CI: 32 streaming clients for 90 seconds against `rewind serve` on a tiny model,
+in its own process (its RSS is the server's alone). `rewind bench soak` is the 30-minute run.
+(Two minutes until CI neared its 20-minute bound: a fresh clone's run took 18 min 45 s.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from rewind.bench.harness import ServerProcess, free_port, tree_rss_bytes
 from rewind.bench.soak import SCENARIOS, soak
+
+SECONDS = 90
 
 
 def test_soak_has_no_errors_no_leaks_and_stays_healthy(tiny_model_path, tmp_path):
@@ -20,12 +23,13 @@ def test_soak_has_no_errors_no_leaks_and_stays_healthy(tiny_model_path, tmp_path
                            ready_paths=("/health",))
     with server.start():
         server.wait_ready(120)
-        result = asyncio.run(soak(server.base_url, server.model_id, 120, 32,
+        result = asyncio.run(soak(server.base_url, server.model_id, SECONDS, 32,
                                   lambda: tree_rss_bytes(server.pid)))
         log = server.log_tail(40)
     summary = result.summary()
     assert result.errors == [], (result.errors[:5], log)
-    assert result.health_failures == [] and result.health_checks >= 100
+    # /health is polled every second.
+    assert result.health_failures == [] and result.health_checks >= 0.8 * SECONDS
     assert not any(result.idle_after.values()), result.idle_after
     timeline = summary["rss_timeline_mib"]
     # Growth only: less memory at the end is no leak.
