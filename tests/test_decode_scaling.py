@@ -62,3 +62,19 @@ def test_quick_run_writes_rows(tmp_path: Path) -> None:
         assert per_step["schedule_ms"] + per_step["run_ms"] + per_step["postprocess_ms"] \
             == pytest.approx(per_step["step_ms"], abs=0.01)
     assert "| 1 |" in (tmp_path / "out.md").read_text()
+
+
+def test_reports_name_the_nvidia_card_and_driver_or_none(tmp_path: Path, monkeypatch) -> None:
+    """nvidia-smi's answer where there is one (a stand-in script here: this machine has no
+    NVIDIA GPU), and None where it is absent."""
+    from rewind.bench.machine import machine_info, nvidia_gpu
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert nvidia_gpu() is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580.159.04'\n")
+    smi.chmod(0o755)
+    assert nvidia_gpu() == {"name": "NVIDIA H100 80GB HBM3", "driver": "580.159.04"}
+    info = machine_info()
+    assert info["gpu"]["driver"] == "580.159.04"
+    assert info["mlx_backend"] in ("cpu", "cuda", "metal")

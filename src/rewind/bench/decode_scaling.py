@@ -42,7 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.decode_scaling_bound import gpu_name, hbm_bytes_per_s, stream_bytes
+from rewind.bench.decode_scaling_bound import hbm_bytes_per_s, stream_bytes
 from rewind.bench.decode_scaling_engine import run_engine
 from rewind.bench.decode_scaling_http import run_http, start_server
 from rewind.bench.decode_scaling_kernels import run_kernel_trace
@@ -214,7 +214,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.bench.machine import command_line, machine_info
+    from rewind.bench.machine import command_line, machine_info, nvidia_gpu
 
     if args.quick:
         args.models = args.models or list(QUICK_SHAPES)
@@ -226,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown model shape(s) {unknown}; known: {', '.join(shapes)}")
     deadline = Deadline(args.deadline_s)
-    gpu = gpu_name()
+    card = nvidia_gpu()
+    gpu = card["name"] if card else None
     report: dict[str, Any] = {
         "command": command_line(), "commit": args.commit, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,

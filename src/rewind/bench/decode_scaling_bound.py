@@ -6,8 +6,6 @@ cannot beat N / that tokens/s.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,20 +23,6 @@ def hbm_bytes_per_s(gpu: str | None) -> float:
         if gpu and marker in gpu:
             return bandwidth
     return HBM_BYTES_PER_S
-
-
-def gpu_name() -> str | None:
-    """The first NVIDIA GPU's name, as nvidia-smi gives it (None without one)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        done = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = done.stdout.strip().splitlines()
-    return names[0].strip() if done.returncode == 0 and names else None
 
 
 @dataclass

@@ -88,6 +88,27 @@ def code_version(source: Path | None = None) -> dict[str, Any]:
     return info
 
 
+def nvidia_gpu() -> dict[str, str] | None:
+    """The first NVIDIA GPU's name and driver version, as nvidia-smi gives them (None without
+    one, or when nvidia-smi does not answer)."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        done = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or "," not in lines[0]:
+        return None
+    name, driver = (part.strip() for part in lines[0].rsplit(",", 1))
+    return {"name": name, "driver": driver}
+
+
 def machine_info() -> dict[str, Any]:
     """Facts about this machine and process; call it after the measurement (for the load)."""
     from rewind import blas
@@ -104,8 +125,15 @@ def machine_info() -> dict[str, Any]:
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
+        "gpu": nvidia_gpu(),
         **code_version(),
     }
+    try:
+        from rewind.mlx_install import inspect
+
+        info["mlx_backend"] = inspect().backend
+    except Exception:  # noqa: BLE001 - a report never fails on a fact it cannot read
+        info["mlx_backend"] = None
     try:
         from rewind.kernels import native
 
