@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's probes (run on the device from the repository root, after the wheels are
 # staged as ../shared/GPU.md says and PYTHONPATH=/tmp/site:$PWD/src): what a new shape costs,
-# the served turn latencies of two server processes in a row, and which libmlx.so a clean
-# virtual environment ends with. Writes under $OUT.
+# the served turn latencies of server processes in a row, which libmlx.so a clean virtual
+# environment ends with, and (PART=fold) the folded linear layers' effect. Writes under $OUT.
+#   PART=shapes|turns|install|fold|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
 set -u
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -17,8 +18,19 @@ if [ "$part" = all ] || [ "$part" = shapes ]; then
   fi
 fi
 if [ "$part" = all ] || [ "$part" = turns ]; then
-  python3 benchmarks/probes/turn_latency.py --shape "${SHAPE:-qwen3.5-0.8b}" --json "$out/turn-latency.json" > "$out/turn-latency.txt" 2>&1
+  python3 benchmarks/probes/turn_latency.py --shape "${SHAPE:-qwen3.5-0.8b}" \
+    ${RUNS:+--runs "$RUNS"} --json "$out/turn-latency.json" > "$out/turn-latency.txt" 2>&1
   tail -n 20 "$out/turn-latency.txt"
+fi
+if [ "$part" = fold ]; then
+  # The folded linear layers' own effect (rewind.kernels.folded_linear), with and without in one
+  # process, then the in-engine cached turn with the warm-up's cached turn in place.
+  python3 benchmarks/probes/folded_linear_ab.py --models ${MODELS:-llama-3.2-1b qwen3.5-0.8b} \
+    --rounds "${ROUNDS:-2}" --json "$out/folded-linear-ab.json" > "$out/folded-linear-ab.txt" 2>&1
+  tail -n 24 "$out/folded-linear-ab.txt"
+  python3 benchmarks/probes/cached_turn_profile.py --shape "${SHAPE:-qwen3.5-0.8b}" \
+    --json "$out/cached-turn-profile.json" > "$out/cached-turn-profile.txt" 2>&1
+  head -n 4 "$out/cached-turn-profile.txt"
 fi
 if [ -n "${INSTALL_TEST:-}" ] && { [ "$part" = all ] || [ "$part" = turns ] || [ "$part" = install ]; }; then
   (
