@@ -35,6 +35,7 @@ def test_the_bound_takes_the_cards_own_bandwidth() -> None:
     assert hbm_bytes_per_s("NVIDIA H200") == 4.8e12
     assert hbm_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12
     assert hbm_bytes_per_s(None) == 4.8e12  # no NVIDIA card: the report names none
+    assert hbm_bytes_per_s("NVIDIA A100-SXM4-80GB") == 4.8e12  # not listed: the report says so
 
 
 def test_stagger_covers_one_chunk_per_step() -> None:

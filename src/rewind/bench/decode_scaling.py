@@ -42,7 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rewind.bench.decode_scaling_bound import hbm_bytes_per_s, stream_bytes
+from rewind.bench.decode_scaling_bound import hbm_bytes_per_s, hbm_card, stream_bytes
 from rewind.bench.decode_scaling_engine import run_engine
 from rewind.bench.decode_scaling_http import run_http, start_server
 from rewind.bench.decode_scaling_kernels import run_kernel_trace
@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "command": command_line(), "commit": args.commit, "streams": args.streams,
         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-        "gpu": gpu, "hbm_bytes_per_s": hbm_bytes_per_s(gpu), "llama_cpp_quoted": LLAMA_CPP_QUOTED,
+        "gpu": gpu, "hbm_card": hbm_card(gpu), "hbm_bytes_per_s": hbm_bytes_per_s(gpu),
+        "llama_cpp_quoted": LLAMA_CPP_QUOTED,
         "models": {}}
 
     def save() -> None:

@@ -18,11 +18,14 @@ HBM_BY_GPU: tuple[tuple[str, float], ...] = (
     ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
 
 
+def hbm_card(gpu: str | None) -> str | None:
+    """The entry of HBM_BY_GPU that names this card (None: not listed)."""
+    return next((marker for marker, _ in HBM_BY_GPU if gpu and marker in gpu), None)
+
+
 def hbm_bytes_per_s(gpu: str | None) -> float:
-    for marker, bandwidth in HBM_BY_GPU:
-        if gpu and marker in gpu:
-            return bandwidth
-    return HBM_BYTES_PER_S
+    card = hbm_card(gpu)
+    return dict(HBM_BY_GPU)[card] if card else HBM_BYTES_PER_S
 
 
 @dataclass

@@ -17,6 +17,14 @@ def _cell(row: dict[str, Any] | None) -> str:
     return f"{row['tok_s']:,.0f} ({100 * row['of_bound']:.0f}%)"
 
 
+def _bandwidth_of(report: dict[str, Any]) -> str:
+    gpu = report.get("gpu")
+    if report.get("hbm_card"):
+        return f"the {gpu}'s datasheet bandwidth"
+    return (f"an H200's datasheet bandwidth; this card, {gpu}, is not in the table" if gpu
+            else "an H200's datasheet bandwidth")
+
+
 def markdown(report: dict[str, Any]) -> str:
     hbm = report["hbm_bytes_per_s"]
     lines = ["# Decode tokens/s at 1, 8 and 32 concurrent streams", "",
@@ -52,7 +60,7 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append(f"{quoted[n]:,}" if n in quoted else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Bound arithmetic (bytes read per step / "
-                  f"{hbm / 1e12:.2f} TB/s, {report.get('gpu') or 'an H200'}'s bandwidth):", ""]
+                  f"{hbm / 1e12:.2f} TB/s, {_bandwidth_of(report)}):", ""]
         for count, parts in sorted(entry["rows"].items(), key=lambda kv: int(kv[0])):
             n = int(count)
             context = (parts.get("engine") or parts.get("greedy") or parts.get("mlx-lm")
