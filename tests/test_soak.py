@@ -12,6 +12,12 @@ from rewind.bench.harness import ServerProcess, free_port, tree_rss_bytes
 from rewind.bench.soak import SCENARIOS, soak
 
 SECONDS = 90
+# In 90 s no client finishes one agent session (6 turns; 348 requests for 32 clients, measured),
+# so prompts grow through the whole run and RSS between two idle moments moved by -3.6% and
+# +11.0% in two runs of the same commit. A leak of anything per request (a cache, a sequence's
+# buffers) passes 25% within a few hundred requests; the 10% target belongs to `rewind bench
+# soak`'s 30 minutes, where every session turns over many times (+1.5%, benchmarks/results/soak.md).
+RSS_GROWTH_LIMIT = 0.25
 
 
 def test_soak_has_no_errors_no_leaks_and_stays_healthy(tiny_model_path, tmp_path):
@@ -33,7 +39,7 @@ def test_soak_has_no_errors_no_leaks_and_stays_healthy(tiny_model_path, tmp_path
     assert not any(result.idle_after.values()), result.idle_after
     timeline = summary["rss_timeline_mib"]
     # Growth only: less memory at the end is no leak.
-    assert result.rss_drift <= 0.10, (result.rss_warm, result.rss_end, timeline)
+    assert result.rss_drift <= RSS_GROWTH_LIMIT, (result.rss_warm, result.rss_end, timeline)
     seen = {outcome.scenario for outcome in result.outcomes}
     assert seen >= set(SCENARIOS) - {"image"}, seen
     assert summary["requests"] >= 200 and summary["ttft_seconds"]["p99"] is not None
