@@ -61,6 +61,24 @@ def tiny_loaded(tiny_model_path: Callable[[str], Path]):
     return get
 
 
+@pytest.fixture(scope="session")
+def bf16_loaded(tmp_path_factory: pytest.TempPathFactory):
+    """bf16_loaded("qwen3_5") -> that tiny family with bf16 weights, as real checkpoints are
+    (on the CPU, MLX's layers then read them in Rewind's C matrix kernel), loaded (cached)."""
+    from rewind.models.loader import load_model
+
+    loaded = {}
+
+    def get(family: str):
+        if family not in loaded:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}-bf16")
+            loaded[family] = load_model(str(build_tiny_model(family, folder,
+                                                             dtype="bfloat16")))
+        return loaded[family]
+
+    return get
+
+
 @pytest.fixture(params=FAMILIES)
 def tiny_family(request: pytest.FixtureRequest) -> str:
     """Parametrizes a test over every tiny model family."""

@@ -13,6 +13,7 @@ blocks with an online softmax and skips the blocks a mask rules out.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -66,8 +67,64 @@ def key_layout(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.ndarr
     from it, so a row's attention rounds the same in any chunking. None (keys in order from
     position 0) for a cache whose layout is not known here: the answer is the same, only its
     rounding may then depend on the chunking."""
+    padded = _padded_rows(cache, batch, total)
+    if padded is not None:
+        return padded
     found = _first_and_rotation(cache, total)
     return None if found is None else _layout_arrays(*found, batch)
+
+
+def _padded_rows(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The layout of mlx-lm's left-padded batch caches (BatchKVCache, BatchRotatingKVCache):
+    row b's keys start `left_padding[b]` slots after the buffer's oldest slot (a window's ring
+    wraps around its write index), and its newest is at its offset. Visited from its oldest key
+    by absolute position, a row's keys fall into the blocks they fall into alone, so its
+    attention rounds as it does alone, whatever rows share the batch; the padding slots come
+    after its newest key, masked. None where the layout is not known here."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    if isinstance(cache, BatchRotatingKVCache):
+        if cache.keys is None or cache._lengths is not None:
+            return None
+        oldest_slot = cache._idx % total  # the slot after the newest key's, or 0 in order
+    elif isinstance(cache, BatchKVCache):
+        if getattr(cache, "_idx", None) != total:
+            return None
+        oldest_slot = 0
+    else:
+        return None
+    padding = np.maximum(np.array(cache.left_padding, dtype=np.int64).reshape(-1), 0)
+    offsets = np.array(cache.offset, dtype=np.int64).reshape(-1)
+    if padding.shape != (batch,) or offsets.shape != (batch,) or (padding >= total).any():
+        return None
+    first = offsets - (total - padding)  # the absolute position of each row's oldest key
+    if (first < 0).any():
+        return None
+    return first, (oldest_slot + padding) % total
+
+
+# The layouts of keys a cache just returned, for layers that attend to another layer's keys and
+# get no cache (Gemma 4's KV-shared layers): by the array's id, held by a weak reference (a
+# strong one would keep MLX from updating the cache's buffer in place on the next step).
+_LAYOUTS: dict[int, tuple[weakref.ref, tuple[np.ndarray, np.ndarray]]] = {}
+_LAYOUTS_PRUNE_AT = 256
+
+
+def _remember_layout(keys: mx.array, layout: tuple[np.ndarray, np.ndarray] | None) -> None:
+    if layout is None:
+        _LAYOUTS.pop(id(keys), None)
+        return
+    if len(_LAYOUTS) >= _LAYOUTS_PRUNE_AT:
+        for key in [k for k, (ref, _) in _LAYOUTS.items() if ref() is None]:
+            _LAYOUTS.pop(key, None)
+    _LAYOUTS[id(keys)] = (weakref.ref(keys), layout)
+
+
+def _recalled_layout(keys: mx.array, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
+    entry = _LAYOUTS.get(id(keys))
+    if entry is None or entry[0]() is not keys or entry[1][0].shape != (batch,):
+        return None
+    return entry[1]
 
 
 def supported(queries: Any, keys: Any, values: Any) -> bool:
@@ -105,7 +162,11 @@ def attention_into(queries: np.ndarray, keys: mx.array, values: mx.array, scale:
     if k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize:
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     m = None if mask_array is None else host_view(mask_array)
-    layout = None if cache is None else key_layout(cache, batch, total)
+    if cache is not None:
+        layout = key_layout(cache, batch, total)
+        _remember_layout(keys, layout)
+    else:
+        layout = _recalled_layout(keys, batch)
     return boundary.kernels().attention(queries, k, v, _KV_FORMS[keys.dtype], m, kind, out,
                                         scale, threads or native.kernel_threads(), layout)
 

@@ -214,11 +214,12 @@ def _scale_init(model: Any) -> None:
 
 
 def build_tiny_model(family: str, out_dir: Path, seed: int = SEED,
-                     overrides: dict | None = None) -> Path:
+                     overrides: dict | None = None, dtype: str = "float32") -> Path:
     """Write a tiny random-weight mlx-lm model of `family` into `out_dir` and return `out_dir`.
 
     `overrides` replaces config fields, e.g. to build a random model of a real model's size for
-    speed measurements (the weights stay random, so only timings mean anything)."""
+    speed measurements (the weights stay random, so only timings mean anything). `dtype`: the
+    weights' type on disk ("bfloat16" as real checkpoints, which the CPU path reads in place)."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes, save_config, save_model
 
@@ -235,6 +236,8 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = SEED,
     model = model_class(args_class.from_dict(config))
     model.set_dtype(mx.float32)
     _scale_init(model)
+    if dtype != "float32":
+        model.set_dtype(getattr(mx, dtype))
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")
     return out_dir
