@@ -25,10 +25,14 @@ from rewind.models.loader import load_model
 from rewind.testing.tiny_models import build_tiny_model
 
 TIMEOUT = 600
-# Families the CPU kernels run (rows verify drafts in calls of their own) whose every layer cache
-# can give tokens back. The tiny Qwen 3.5 (linear attention) and Gemma 4 run MLX's layers, where
-# speculation is off (rewind.engine.speculation).
-SPECULATES = {"llama", "gemma3", "default"}
+# Families whose rows verify drafts in calls of their own: those the CPU kernels run, and, with
+# bf16 weights as real checkpoints have, the MLX-layer families (Gemma 4; Qwen 3.5, whose linear
+# attention gives tokens back through rewind.cache.linear_steps), where a row drafts while it
+# decodes alone. With float32 weights MLX's matmul (OpenBLAS) sums in another order for another
+# row count, and speculation is off (rewind.engine.speculation).
+SPECULATES = {"llama", "gemma3", "default", "qwen3_5-bf16", "gemma4-bf16"}
+# Of those, the ones whose rows draft only while decoding alone (MLX's layers).
+DRAFT_ALONE = {"qwen3_5-bf16", "gemma4-bf16"}
 # Rows draft only where they decode through the CPU kernels (rewind.engine.speculation: MLX's
 # batched forward sums in another order for another row count); elsewhere every mode decodes
 # one token a step, and these tests of drafting have nothing to test.
@@ -45,12 +49,15 @@ def default_loaded():
     return load_model("default")  # as served: the GGUF in place on the CPU
 
 
-@pytest.fixture(params=["llama", "gemma3", "qwen3_5", "gemma4", "default"])
-def family_loaded(request: pytest.FixtureRequest, tiny_loaded):
+@pytest.fixture(params=["llama", "gemma3", "qwen3_5", "gemma4", "default", "qwen3_5-bf16",
+                        "gemma4-bf16"])
+def family_loaded(request: pytest.FixtureRequest, tiny_loaded, bf16_loaded):
     if request.param == "gemma4":
         return request.param, request.getfixturevalue("gemma4_loaded")
     if request.param == "default":
         return request.param, request.getfixturevalue("default_loaded")
+    if request.param.endswith("-bf16"):
+        return request.param, bf16_loaded(request.param.removesuffix("-bf16"))
     return request.param, tiny_loaded(request.param)
 
 
@@ -110,6 +117,10 @@ def test_greedy_and_seeded_answers_are_those_of_plain_decoding(family_loaded, tm
                                                            params(engine, 40, temperature))])
                 runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))
                                          for p in prompts])
+                if family in DRAFT_ALONE:  # rows that draft alone: each again, alone
+                    for p in prompts:
+                        runs += answers(engine, [GenerationRequest(
+                            p, params(engine, 40, temperature))])
             speculator = engine._scheduler.speculator
             results[mode] = (runs, None if speculator is None else speculator.counters)
     plain, spec = results["off"][0], results["suffix"][0]
@@ -132,13 +143,16 @@ def test_greedy_and_seeded_answers_are_those_of_plain_decoding(family_loaded, tm
 
 
 @DRAFTS_ON_THE_CPU_KERNELS
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_checkpoints_fall_where_they_fall_without_speculation(tiny_loaded, tmp_path, family):
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5-bf16", "gemma4-bf16"])
+def test_checkpoints_fall_where_they_fall_without_speculation(tiny_loaded, bf16_loaded, tmp_path,
+                                                              family):
     """A row's answer crosses a 256-token boundary: the next turn, which re-sends the prompt and
     a part of the answer past that boundary, restores the same prefix with speculation as
     without (the boundary checkpoint), and a turn re-sending the whole answer restores it
-    whole (the checkpoint where it ended)."""
-    loaded = tiny_loaded(family)
+    whole (the checkpoint where it ended). On the Qwen 3.5 shape that is a linear-attention
+    state, checkpointed after drafts were given back."""
+    loaded = (bf16_loaded(family.removesuffix("-bf16")) if family.endswith("-bf16")
+              else tiny_loaded(family))
     prompt = random_prompts(loaded, [200])[0]
     restored = {}
     for mode in ("off", "suffix"):

@@ -12,8 +12,10 @@ many as the model agreed with. The rest must leave the cache as if they were nev
   `_update_concat`), so the rejected keys are the buffer's last rows: cutting them off leaves
   exactly the buffer a call of the accepted tokens alone would have left. mlx-lm's own trim
   refuses a window that has wrapped, since in ring order the last rows are not the newest;
-- linear attention and SSM states (ArraysCache) fold every token into one state and cannot
-  give one back: such a sequence does not speculate (`rolls_back` is False).
+- linear attention (a gated-delta layer's ArraysCache) folds every token into one state: its
+  call was recorded (rewind.cache.linear_steps), and the kept positions' recurrence runs again
+  from the state before it. Other state-space layers cannot give a token back: such a sequence
+  does not speculate (`rolls_back` is False).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, QuantizedKVCache,
+                                  RotatingKVCache)
 
+from rewind.cache import linear_steps
 from rewind.cache.kv import GrowingKVCache
 from rewind.cache.window_blocks import give_back, held_block
 
@@ -30,14 +34,17 @@ from rewind.cache.window_blocks import give_back, held_block
 TRIMMED_CACHES = (KVCache, GrowingKVCache, QuantizedKVCache)
 
 
-def rolls_back(layers: list[Any]) -> bool:
-    """Whether every layer cache of a sequence can give back its last tokens."""
-    return all(_rolls_back(layer) for layer in layers)
+def rolls_back(layers: list[Any], linear: bool = False) -> bool:
+    """Whether every layer cache of a sequence can give back its last tokens. `linear`: the
+    model's linear-attention layers record their calls (rewind.cache.linear_steps.install)."""
+    return all(_rolls_back(layer, linear) for layer in layers)
 
 
-def _rolls_back(layer: Any) -> bool:
+def _rolls_back(layer: Any, linear: bool = False) -> bool:
     if type(layer) is CacheList:
-        return all(_rolls_back(inner) for inner in layer.caches)
+        return all(_rolls_back(inner, linear) for inner in layer.caches)
+    if type(layer) is ArraysCache:
+        return linear
     return type(layer) in TRIMMED_CACHES or (type(layer) is RotatingKVCache and layer.keep == 0)
 
 
@@ -50,9 +57,17 @@ def roll_back(layers: list[Any], tokens: int) -> None:
     flat = list(_flatten(layers))
     if tokens == 0:
         for layer in flat:  # forget the keys a block wrote over: they stay written
-            give_back(layer, 0)
+            if type(layer) is ArraysCache:
+                linear_steps.give_back(layer, 0)
+            else:
+                give_back(layer, 0)
         return
     for layer in flat:
+        if type(layer) is ArraysCache:
+            if not linear_steps.can_give_back(layer):
+                raise ValueError("a linear-attention layer whose call was not recorded cannot "
+                                 "give tokens back")
+            continue
         if not _rolls_back(layer):
             raise ValueError(f"a {type(layer).__name__} cannot give tokens back")
         if layer.offset < tokens:
@@ -66,6 +81,9 @@ def roll_back(layers: list[Any], tokens: int) -> None:
                              "multi-token update")
     written: list[Any] = []
     for layer in flat:
+        if type(layer) is ArraysCache:
+            linear_steps.give_back(layer, tokens)
+            continue
         if give_back(layer, tokens):  # a block written into a full window in place
             written += [layer.keys, layer.values]
             continue

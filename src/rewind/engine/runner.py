@@ -27,15 +27,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from rewind.cache import window_blocks
+from rewind.cache import linear_steps, window_blocks
 from rewind.cache.checkpoints import BLOCK_TOKENS, engine_chunk_tokens, prefill_plan
 from rewind.engine.positions import given_positions, takes_positions
 from rewind.engine.residuals import given_residuals
 from rewind.engine.segment import RowCaches, Segment
 from rewind.engine.step_inputs import decode_segments, prefill_segment
 from rewind.engine.step_plan import StepOutput, StepPlan
+from rewind.kernels import gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.kernels.model_split import pipeline_stages, split_model
+from rewind.kernels.native_linear import rows_compute_alone
 
 
 class ModelRunner:
@@ -66,6 +68,25 @@ class ModelRunner:
             # A drafting row's keys go into full sliding windows in place, given back at
             # rollback (rewind.cache.rollback).
             self.kernels.forward.block_writer = window_blocks
+        # MLX's layers on the CPU where each position computes alone (rewind.kernels
+        # .native_linear.rows_compute_alone): a row decoding alone can check a draft in a call
+        # of its own and give back what was not kept, as on the CPU kernels.
+        self.lone_rows_exact = (self.layer_count is None and split_model(model) is not None
+                                and rows_compute_alone(model))
+        # Set by the scheduler when rows draft: a row decoding alone keeps its own caches
+        # (RowCaches of one row); two or more share one merged batch cache.
+        self.lone_rows = False
+        # Whether drafting rows' linear-attention layers are recorded so that they can give
+        # tokens back (rewind.cache.linear_steps); set with `lone_rows`.
+        self.linear_steps = False
+
+    def draft_alone(self) -> None:
+        """Rows decoding alone keep their own caches from now on (the scheduler drafts), and
+        the model's linear-attention layers record a drafting row's call."""
+        self.lone_rows = self.layer_count is None
+        if self.lone_rows:
+            gated_delta.observe(linear_steps.note_recurrence)
+            self.linear_steps = linear_steps.install(self.model)
 
     def layer_costs(self, context: int) -> list[float]:
         """Per-layer work of one token at `context` tokens held (the CPU kernels' estimate, in
@@ -89,6 +110,10 @@ class ModelRunner:
         cores, a wait for every decoding row)."""
         if self.layer_count is not None:
             return RowCaches([*(batch or []), single])
+        if self.lone_rows and batch is None:
+            return RowCaches([single])
+        if isinstance(batch, RowCaches):  # a lone row meets another: one merged batch
+            return [layer.merge([layer, new_layer]) for layer, new_layer in zip(batch[0], single)]
         rows = [layer.merge([layer]) for layer in single]
         if batch is None:
             return rows
@@ -96,13 +121,16 @@ class ModelRunner:
             batch_layer.extend(new_layer)
         return batch
 
-    @staticmethod
-    def keep_rows(batch: list[Any], keep: list[int]) -> list[Any] | None:
-        """The batch with only rows `keep` (None when none is left)."""
+    def keep_rows(self, batch: list[Any], keep: list[int]) -> list[Any] | None:
+        """The batch with only rows `keep` (None when none is left). A merged batch left with
+        one row gives it its own caches again where lone rows keep theirs (one copy, as when
+        it joined)."""
         if not keep:
             return None
         if isinstance(batch, RowCaches):
             return RowCaches([batch[i] for i in keep])
+        if self.lone_rows and len(keep) == 1:
+            return RowCaches([[layer.extract(keep[0]) for layer in batch]])
         for layer in batch:
             layer.filter(keep)
         return batch
@@ -212,7 +240,12 @@ class ModelRunner:
                 continue
             if segment.stop is not None or segment.carry is not None:
                 raise ValueError("this backend runs a segment through all layers in one call")
-            hidden[i] = self._one(split, segment)
+            if segment.logit_positions > 1 and self.linear_steps:
+                # A drafting row: its linear-attention layers keep what giving back needs.
+                with linear_steps.recording(segment.cache):
+                    hidden[i] = self._one(split, segment)
+            else:
+                hidden[i] = self._one(split, segment)
             if one_by_one:
                 mx.eval(hidden[i])
         logits = self._heads(split, segments, hidden)

@@ -85,14 +85,20 @@ class Scheduler:
         # rewind.engine.speculation for why only there.
         # `auto` leaves a pipelined decode (asked for on the CPU) as it is; a mode named
         # explicitly turns pipelining off, since a step drafts from the tokens the last one read.
-        rows_alone = self.layer_count is not None and not takes_positions(self.model)
+        # MLX's layers on the CPU, where each position computes alone (runner.lone_rows_exact):
+        # a row drafts while it decodes alone, on caches of its own; with others it decodes in
+        # the merged batch without drafts.
+        rows_alone = ((self.layer_count is not None or runner.lone_rows_exact)
+                      and not takes_positions(self.model))
         mode = resolve_mode(config.speculative, rows_alone and not self.pipeline)
         if mode != "off" and not rows_alone:
-            log.warning("speculative decoding (%s) needs rows decoding through the CPU kernels; "
-                        "this backend decodes without it", mode)
+            log.warning("speculative decoding (%s) needs rows that compute alone (the CPU "
+                        "kernels, or MLX's layers on the CPU with bf16 weights); this backend "
+                        "decodes without it", mode)
             mode = "off"
         if mode != "off":
             self.pipeline = False
+            runner.draft_alone()
         # A draft model (rewind.engine.draft_model) drafts where `auto` would draft from text.
         if draft_model is not None and config.speculative == "auto" and mode != "off":
             mode = "draft"
@@ -500,7 +506,8 @@ class Scheduler:
         self.batch_cache = self.runner.join(self.batch_cache, seq.cache or [])
         self.decoding.append(seq)
         if (self.speculator is not None and seq.request.speculative
-                and seq.request.positions is None and rolls_back(seq.cache or [])):
+                and seq.request.positions is None
+                and rolls_back(seq.cache or [], linear=self.runner.linear_steps)):
             seq.drafts = self.speculator.start(seq.prompt + seq.generated)
 
     def _leave_batch(self, rows: list[int]) -> None:

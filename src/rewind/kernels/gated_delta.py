@@ -27,6 +27,19 @@ _failed: set[str] = set()  # kernels that raised once: not tried again in this p
 _checked: set[str] = set()  # kernels that ran once (a CUDA kernel compiles when first evaluated)
 
 
+# Called with each call's state, its arguments and this function, to call again with fewer
+# positions (rewind.cache.linear_steps records a drafting row's call through it); None: nobody
+# listens.
+Observer = Callable[[Any, dict[str, Any], Callable[..., Any]], None]
+_observer: Observer | None = None
+
+
+def observe(observer: Observer) -> None:
+    """Hand every call's (state, arguments, this function) to `observer` from now on."""
+    global _observer
+    _observer = observer
+
+
 def _recurrence(q: mx.array) -> tuple[str, Callable[..., tuple[mx.array, mx.array]]] | None:
     if env.gated_delta_off():
         return None
@@ -48,6 +61,11 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
     this backend where there is one."""
     from mlx_lm.models import gated_delta as mlx_gated_delta
 
+    if _observer is not None:  # a drafting row's call keeps what taking tokens back needs
+        _observer(state, {
+            "q": q, "k": k, "v": v, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias,
+            "mask": mask, "use_kernel": use_kernel, "lower_bound": lower_bound,
+            "allow_neg_eigval": allow_neg_eigval}, gated_delta_update)
     chosen = _recurrence(q) if use_kernel else None
     if chosen is not None:
         name, recurrence = chosen

@@ -87,3 +87,34 @@ def use_in_model(model: Any) -> int:
 
 def native_linear_bytes(model: Any) -> int:
     return sum(m.nbytes for _, m in model.named_modules() if isinstance(m, NativeLinear))
+
+
+def rows_compute_alone(model: Any) -> bool:
+    """Whether each position of a call through `model`'s MLX layers on the CPU computes the same
+    bits whatever else the call holds (more positions, other batch rows): its matrix products
+    run in the C kernel, which computes each row alone (MLX's float32 matmul goes to OpenBLAS,
+    whose gemm sums in another order than its gemv); attention in Rewind's C kernel, which visits
+    a row's keys by position (rewind.kernels.cpu_attention); linear attention's recurrence in its
+    C kernel, one position after another. Norms, convolutions and lookups are per position. The
+    output head is the runner's to compute one position at a time. Speculative decoding checks a
+    draft in one call of several positions, so it keeps the answer only where this holds."""
+    from rewind import env
+
+    if mx.default_device() != mx.cpu or native.load_kernels() is None:
+        return False
+    if env.cpu_attention_off() or env.gated_delta_off():
+        return False
+    per_position = (NativeLinear, nn.Embedding, nn.Conv1d, nn.RMSNorm, nn.LayerNorm)
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "lm_head" or isinstance(module, per_position):
+            continue
+        weight = module.get("weight") if isinstance(module, dict) else None
+        if isinstance(weight, mx.array) and weight.ndim >= 2 \
+                and type(module).__name__ not in _PER_POSITION_NAMES:
+            return False
+    return True
+
+
+# Modules of mlx-lm and Rewind with a 2-D weight that compute each position alone: embedding
+# tables read in place, and the norms of families that define their own.
+_PER_POSITION_NAMES = frozenset({"StoredEmbedding", "InPlaceEmbedding", "ScaledEmbedding"})
