@@ -59,6 +59,9 @@ def test_alternating_models_answer_as_each_alone(tiny_model_path, tmp_path):
     with pool_server(names, tmp_path / "pool") as (live, _):
         listed = models_by_id(live)
         assert [listed[name]["loaded"] for name in names] == [True, False, False]
+        # The models named on the command line come first, in their order: a client that takes
+        # the first listed model (agents' defaults, bench harnesses) gets the one served.
+        assert list(listed)[:len(names)] == names
         assert all(listed[name]["form"] == "f32" and listed[name]["context_length"]
                    and listed[name]["size_bytes"] > 0 for name in names)
         client = live.openai()

@@ -167,7 +167,14 @@ class Catalog:
                     aliases = tuple(dict.fromkeys(
                         a for a in (folder.name, str(folder.resolve())) if a != arg))
                     entries.append(describe(arg, folder, "local", aliases))
-        self._entries = entries
+        # The models named on the command line first: a client that takes the first model
+        # /v1/models lists (agents' defaults, benchmark harnesses) gets the one being served.
+        named: list[Servable] = []
+        for arg in self.model_args:
+            entry = self._find(entries, arg)
+            if entry is not None and all(entry is not seen for seen in named):
+                named.append(entry)
+        self._entries = named + [e for e in entries if all(e is not seen for seen in named)]
 
     @staticmethod
     def _find(entries: list[Servable], name: str) -> Servable | None:
