@@ -9,7 +9,9 @@ anyway and arithmetic dominates, so the same draft buys less: this bench finds w
 For each batch size R and draft length k it times the runner's forward pass over R rows whose
 caches hold `--context` tokens, with one row drafting k tokens (the others one token each),
 exactly as the scheduler builds the step (rewind.engine.scheduler._decode_segments), on the
-model as served. Reported: milliseconds per step, the extra over k = 0, and the accepted tokens
+model as served, and the rollback of the draft (a linear-attention layer's recurrence runs again
+for the kept positions: here none is kept but the input). On MLX's layers (Qwen 3.5, Gemma 4 with
+bf16 weights) a row drafts only while it decodes alone: R is 1 there. Reported: milliseconds per step, the extra over k = 0, and the accepted tokens
 a draft must keep to pay for itself: extra / (step at k = 0) [each kept token saves one step].
 """
 
@@ -57,10 +59,10 @@ def _step(runner: Any, caches: list[list[Any]], draft: int) -> float:
     started = time.perf_counter()
     logits = runner.forward(segments)
     mx.eval([a for a in logits if a is not None])
-    seconds = time.perf_counter() - started
     if draft:
         roll_back(caches[0], draft)
-    return seconds
+        mx.eval([layer.state for layer in caches[0]])
+    return time.perf_counter() - started
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,10 +78,15 @@ def run(args: argparse.Namespace) -> int:
             str(quick_model_dir()), 300, "1,2", "0,4", 2)
     loaded = load_model(args.model)
     runner = ModelRunner(loaded.model)
-    if runner.layer_count is None:
-        raise SystemExit("verify-cost measures the CPU kernels' step (rows decoding alone); "
-                         "this backend does not run it")
     rows_list = [int(r) for r in args.rows.split(",")]
+    if runner.layer_count is None:
+        if not runner.lone_rows_exact:
+            raise SystemExit("verify-cost measures steps whose rows compute alone (the CPU "
+                             "kernels, or MLX's layers on the CPU with bf16 weights); this "
+                             "backend or model does not run them")
+        # MLX's layers: a row drafts only while it decodes alone (rewind.engine.scheduler).
+        runner.draft_alone()
+        rows_list, args.rows = [1], "1"
     drafts = [int(k) for k in args.drafts.split(",")]
     prompt = [(i * 7919) % 1000 + 10 for i in range(args.context)]
     results: list[dict[str, Any]] = []

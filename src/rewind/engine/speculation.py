@@ -23,9 +23,13 @@ When it does not pay it is off:
   and with `auto` a row feeds only as much of its draft as raises the step's expected tokens a
   unit of time (its acceptance so far against what its positions cost the whole batch:
   `worth_drafting`); a mode named explicitly feeds every draft found;
-- per backend: only where rows decode on caches of their own through the CPU kernels (the
-  runner's RowCaches), whose multi-position logits are exact; MLX's batched forward (GPUs, Metal)
-  sums in another order for another row count, so `auto` is off there.
+- per backend: only where a row's positions compute alone, so its multi-position logits are
+  exact: rows decoding on caches of their own through the CPU kernels (the runner's RowCaches),
+  and MLX's layers on the CPU with bf16 weights (rewind.kernels.native_linear
+  .rows_compute_alone: Qwen 3.5, Gemma 4), where a row drafts while it decodes alone (a batch
+  shares one merged cache, whose rows cannot give back different numbers of tokens). MLX's
+  batched forward on GPUs and Metal sums in another order for another row count, so `auto` is
+  off there.
 """
 
 from __future__ import annotations
