@@ -16,8 +16,10 @@ alone would have left, at the cost of the recurrence alone (no weight is read ag
 The layer's inputs come to two hooks, in the order every GatedDeltaNet call makes them: its
 depthwise convolution's input (`install` gives each such layer's conv1d a recording class),
 then Rewind's gated_delta_update (rewind.kernels.gated_delta), which hands its arguments to the
-observer `install` registers; the recurrent state it is handed is the cache's own object, which
-names the layer.
+observer the runner registers (`note_recurrence`); the recurrent state it is handed is the
+cache's own object, which names the layer. `install` checks with one recorded call that every
+layer's record comes out whole; a model where it does not (another mlx-lm's layer) does not
+draft, rather than fail a request at its first rollback.
 """
 
 from __future__ import annotations
@@ -186,5 +188,18 @@ def install(model: Any) -> bool:
     make_cache = getattr(model, "make_cache", None)
     if not layers or make_cache is None:
         return False
-    states = sum(1 for _ in _linear_layers(make_cache()))
-    return states == len(layers)
+    if sum(1 for _ in _linear_layers(make_cache())) != len(layers):
+        return False
+    return _records_in_full(model, make_cache())
+
+
+def _records_in_full(model: Any, cache: list[Any]) -> bool:
+    """Whether a recorded call of this model leaves every linear-attention layer a complete
+    record: a layer whose call no longer reaches the hooks as expected (another mlx-lm) would
+    make a drafting row fail at its rollback, so such a model does not draft."""
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    with recording(cache):
+        mx.eval(model(mx.array([[4, 5]]), cache=cache))
+    complete = all(can_give_back(layer) for layer in _linear_layers(cache))
+    forget(cache)
+    return complete
