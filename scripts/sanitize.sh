@@ -31,6 +31,7 @@ UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$reports/ubsan" \
     tests/test_cpu_gated_delta.py tests/test_native_linear.py tests/test_native_forward.py \
     tests/test_mixed_steps.py tests/test_model_pool.py tests/test_native_stress.py \
     tests/test_quant_kernels.py tests/test_gguf_in_place.py tests/test_speculation.py \
+    tests/test_mlx_layers_batching.py tests/test_linear_steps.py \
     --deselect tests/test_model_pool.py::test_rss_stays_under_the_budget_over_a_load_unload_churn \
     "$@"
 rc=$?

@@ -26,7 +26,7 @@ if [ "$only_flags" = "1" ] && [ -z "${REWIND_NO_AVX512:-}" ] \
     && .venv/bin/python -c 'import sys; from rewind.kernels import native; sys.exit("avx512" not in native.runnable_isas())'; then
   echo "[rewind test] the kernel tests again on the AVX2 build (REWIND_NO_AVX512=1)"
   set +e
-  REWIND_NO_AVX512=1 NATIVE_STRESS_SECONDS="${NATIVE_STRESS_SECONDS:-20}" \
+  REWIND_NO_AVX512=1 NATIVE_STRESS_SECONDS="${NATIVE_STRESS_SECONDS:-10}" \
     LD_PRELOAD="$preload" .venv/bin/python -m pytest "$@" \
     tests/test_kernel_boundary.py tests/test_cpu_attention.py tests/test_cpu_gated_delta.py \
     tests/test_native_linear.py tests/test_native_forward.py tests/test_mixed_steps.py \

@@ -21,10 +21,21 @@ import pytest  # noqa: E402
 from rewind.testing.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--on-demand", action="store_true",
+                     help="also run the tests marked on_demand (long ones CI leaves out)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`cpu_only` tests (the C kernels, the CPU loader path) skip on another backend."""
+    """`cpu_only` tests (the C kernels, the CPU loader path) skip on another backend;
+    `on_demand` ones (over a minute, covered in small by others) unless --on-demand."""
     import mlx.core as mx
 
+    if not config.getoption("--on-demand"):
+        later = pytest.mark.skip(reason="on demand: pytest --on-demand")
+        for item in items:
+            if "on_demand" in item.keywords:
+                item.add_marker(later)
     if mx.default_device() == mx.cpu:
         return
     skip = pytest.mark.skip(reason="tests the CPU backend's path")

@@ -28,7 +28,7 @@ from rewind.kernels import native
 pytestmark = pytest.mark.skipif(native.load_kernels() is None,
                                 reason="needs the C kernels (x86-64 AVX2 and a C compiler)")
 
-SECONDS = float(os.environ.get("NATIVE_STRESS_SECONDS", "30"))  # 45 until CI neared 20 minutes
+SECONDS = float(os.environ.get("NATIVE_STRESS_SECONDS", "20"))  # 45, then 30, until CI neared 20 min
 CLIENTS = 6
 
 

@@ -177,6 +177,7 @@ def test_pipeline_refused_for_a_family_without_it(tiny_model_path: Callable[[str
 
 @pytest.mark.real_model
 @pytest.mark.slow
+@pytest.mark.on_demand  # 68 s on 2 cores; the tiny families' tensor-parallel tests run in CI
 def test_tensor_parallel_default_model_equals_single_process(tmp_path: Path) -> None:
     sharded = run_sharded("default", tmp_path / "sharded", timeout=1200)
     check_equal(sharded, single_process("default", tmp_path / "single"))
