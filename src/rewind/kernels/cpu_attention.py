@@ -13,6 +13,7 @@ blocks with an online softmax and skips the blocks a mask rules out.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -104,24 +105,33 @@ def _padded_rows(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.nda
 
 
 # The layouts of keys a cache just returned, for layers that attend to another layer's keys and
-# get no cache (Gemma 4's KV-shared layers): by the array's id, held by a weak reference (a
-# strong one would keep MLX from updating the cache's buffer in place on the next step).
-_LAYOUTS: dict[int, tuple[weakref.ref, tuple[np.ndarray, np.ndarray]]] = {}
+# get no cache (Gemma 4's KV-shared layers), within one forward call on one thread: by the
+# array's id, held by a weak reference (a strong one would keep MLX from updating the cache's
+# buffer in place on the next step). Per thread: engines of other models run beside this one.
+_layouts = threading.local()
 _LAYOUTS_PRUNE_AT = 256
 
 
+def _layout_table() -> dict[int, tuple[weakref.ref, tuple[np.ndarray, np.ndarray]]]:
+    table = getattr(_layouts, "table", None)
+    if table is None:
+        table = _layouts.table = {}
+    return table
+
+
 def _remember_layout(keys: mx.array, layout: tuple[np.ndarray, np.ndarray] | None) -> None:
+    table = _layout_table()
     if layout is None:
-        _LAYOUTS.pop(id(keys), None)
+        table.pop(id(keys), None)
         return
-    if len(_LAYOUTS) >= _LAYOUTS_PRUNE_AT:
-        for key in [k for k, (ref, _) in _LAYOUTS.items() if ref() is None]:
-            _LAYOUTS.pop(key, None)
-    _LAYOUTS[id(keys)] = (weakref.ref(keys), layout)
+    if len(table) >= _LAYOUTS_PRUNE_AT:
+        for key in [k for k, (ref, _) in table.items() if ref() is None]:
+            del table[key]
+    table[id(keys)] = (weakref.ref(keys), layout)
 
 
 def _recalled_layout(keys: mx.array, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
-    entry = _LAYOUTS.get(id(keys))
+    entry = _layout_table().get(id(keys))
     if entry is None or entry[0]() is not keys or entry[1][0].shape != (batch,):
         return None
     return entry[1]
