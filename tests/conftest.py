@@ -28,7 +28,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`cpu_only` tests (the C kernels, the CPU loader path) skip on another backend;
-    `on_demand` ones (over a minute, covered in small by others) unless --on-demand."""
+    `on_demand` ones (long, and covered in small by others) unless --on-demand."""
     import mlx.core as mx
 
     if not config.getoption("--on-demand"):

@@ -99,7 +99,8 @@ def check_equal(sharded: dict[str, Any], reference: dict[str, Any],
     assert [rank["rank"] for rank in sharded["ranks"]] == [0, 1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+# One family of each layout runs in CI (~10 s each on 2 cores); the others on demand.
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.on_demand)])
 def test_tensor_parallel_equals_single_process(
         family: str, tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
     model = str(tiny_model_path(family))
@@ -133,7 +134,8 @@ def pipeline_model_path(tiny_model_path: Callable[[str], Path],
     return get
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "ministral3"])
+@pytest.mark.parametrize("family", ["qwen3_5",
+                                    pytest.param("ministral3", marks=pytest.mark.on_demand)])
 def test_pipeline_parallel_equals_single_process(
         family: str, pipeline_model_path: Callable[[str], Path], tmp_path: Path) -> None:
     """`--pipeline`: rank 1 runs the first half of the layers, rank 0 the second half; the same
