@@ -31,7 +31,8 @@ if [ "$only_flags" = "1" ] && [ -z "${REWIND_NO_AVX512:-}" ] \
   REWIND_NO_AVX512=1 LD_PRELOAD="$preload" .venv/bin/python -m pytest "$@" \
     tests/test_kernel_boundary.py tests/test_cpu_attention.py tests/test_cpu_gated_delta.py \
     tests/test_native_linear.py tests/test_native_forward.py tests/test_mixed_steps.py \
-    tests/test_quant_kernels.py tests/test_gguf_in_place.py
+    tests/test_quant_kernels.py tests/test_gguf_in_place.py tests/test_mlx_layers_batching.py \
+    tests/test_linear_steps.py
   rc=$?
   set -e
 fi
