@@ -46,6 +46,7 @@ from rewind.bench.decode_scaling_bound import hbm_bytes_per_s, hbm_card, stream_
 from rewind.bench.decode_scaling_engine import run_engine
 from rewind.bench.decode_scaling_http import run_http, start_server
 from rewind.bench.decode_scaling_kernels import run_kernel_trace
+from rewind.bench.decode_scaling_llama_cpp import run_llama_cpp
 from rewind.bench.decode_scaling_mlx_lm import run_mlx_lm
 from rewind.bench.decode_scaling_models import (QUICK_SHAPES, SHAPES, build_model, eos_ids,
                                                 make_prompts)
@@ -69,11 +70,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128,
                         help="decode steps in each timed window")
     parser.add_argument("--parts", nargs="+", default=["engine", "greedy", "mlx-lm", "http"],
-                        choices=["engine", "greedy", "mlx-lm", "http", "kernels"],
+                        choices=["engine", "greedy", "mlx-lm", "http", "kernels", "llama-cpp"],
                         help="engine: Rewind's Engine, greedy with a logit bias against EOS; "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
-                             "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py)")
+                             "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py); "
+                             "llama-cpp: llama-batched-bench on the same weights as an F16 GGUF "
+                             "(Llama shapes; needs --llama-cpp-bin)")
+    parser.add_argument("--llama-cpp-bin", type=Path, default=None,
+                        help="the folder holding llama.cpp's llama-batched-bench (a CUDA build "
+                             "for a GPU run), for --parts llama-cpp")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, short prompts: a check that the bench runs")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -212,6 +218,15 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
             if server is not None:
                 server.stop()
 
+    if "llama-cpp" in args.parts and family == "llama" and not deadline.passed():
+        print(f"== {name}: llama.cpp's llama-batched-bench on an F16 GGUF ...", flush=True)
+        llama = run_llama_cpp(folder, args.llama_cpp_bin, work_dir, args.prompt_tokens,
+                              args.decode_tokens, streams)
+        for count, row in llama.pop("rows", {}).items():
+            record("llama.cpp", count, row)
+        entry["llama_cpp"] = llama
+        save()
+
 
 def run(args: argparse.Namespace) -> int:
     from rewind.bench.machine import command_line, machine_info, nvidia_gpu
@@ -225,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in shapes]
     if unknown:
         raise SystemExit(f"unknown model shape(s) {unknown}; known: {', '.join(shapes)}")
+    if "llama-cpp" in args.parts and not (
+            args.llama_cpp_bin and (args.llama_cpp_bin / "llama-batched-bench").exists()):
+        raise SystemExit("--parts llama-cpp needs --llama-cpp-bin DIR holding llama-batched-bench")
     deadline = Deadline(args.deadline_s)
     card = nvidia_gpu()
     gpu = card["name"] if card else None

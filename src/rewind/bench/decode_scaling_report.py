@@ -45,7 +45,10 @@ def markdown(report: dict[str, Any]) -> str:
                      if sizes.fixed_state_bytes else "") + ".", ""]
         header = ["streams", "Rewind engine (EOS bias)", "Rewind engine (plain greedy)",
                   "Rewind HTTP (openai client)", "mlx-lm BatchGenerator", "HBM bound"]
-        if name.startswith("llama"):
+        measured = any("llama.cpp" in parts for parts in entry["rows"].values())
+        if measured:
+            header.append("llama.cpp, F16, same weights (llama-batched-bench)")
+        elif name.startswith("llama"):
             header.append("llama.cpp CUDA, F16, 32k vocab (quoted)")
         lines += ["| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]
         for count, parts in sorted(entry["rows"].items(), key=lambda kv: int(kv[0])):
@@ -56,7 +59,9 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [count, _cell(parts.get("engine")), _cell(parts.get("greedy")),
                      _cell(parts.get("http")), _cell(parts.get("mlx-lm")),
                      f"{bound:,.0f} (at {context:.0f} tokens)"]
-            if name.startswith("llama"):
+            if measured:
+                cells.append(_cell(parts.get("llama.cpp")))
+            elif name.startswith("llama"):
                 cells.append(f"{quoted[n]:,}" if n in quoted else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Bound arithmetic (bytes read per step / "
@@ -97,10 +102,16 @@ def markdown(report: dict[str, Any]) -> str:
         if kernels:
             lines += ["", "### CUDA kernel trace (benchmarks/probes/decode_kernels.py)", ""]
             lines += kernel_markdown(kernels)
+        llama = entry.get("llama_cpp")
+        if llama:
+            lines += ["", f"llama.cpp: `{llama['command']}` ({llama['version']})"
+                      + (f"; failed: {llama['error']}" if "error" in llama else "")
+                      + ". Its decode steps compute logits for every row and sample nothing; "
+                      "Rewind's rows include sampling and streaming."]
         if entry.get("http_error"):
             lines += ["", f"HTTP rows failed: {entry['http_error']}"]
         lines.append("")
-    lines += ["llama.cpp figures: quoted from shared/GPU.md (llama.cpp's CUDA build on the same "
+    lines += ["Where the llama.cpp column says quoted, its figures are from shared/GPU.md (llama.cpp's CUDA build on the same "
               "kind of H200, random Llama-3.2-1B-shaped F16 GGUF with a 32k vocabulary, "
               "`llama-batched-bench -npp 512 -ntg 128`), not re-measured here; its 32k head "
               "reads 0.13 GB per step where the 128k one here reads 0.53 GB.", "",
