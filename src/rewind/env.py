@@ -74,10 +74,10 @@ CPU_ATTENTION = Var("REWIND_CPU_ATTENTION",
 GATED_DELTA = Var("REWIND_GATED_DELTA",
                   "off: mlx-lm's own gated delta recurrence instead of Rewind's kernels",
                   ("on", "off"))
-FOLD_LINEAR = Var("REWIND_FOLD_LINEAR",
-                  "off: on GPUs, linear layers take a batch's rows as MLX does (one matrix-vector "
-                  "product a row on CUDA), not as one product (rewind.kernels.folded_linear)",
-                  ("on", "off"))
+CUDA_ATTENTION = Var("REWIND_CUDA_ATTENTION",
+                     "off: on CUDA, a decode batch of rows of mixed lengths takes MLX's masked "
+                     "attention instead of Rewind's kernel (rewind.kernels.cuda_attention)",
+                     ("on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
@@ -108,7 +108,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "tests only: a trigger file; once it exists, the next forward pass of "
                          "the model it names raises (and the file is removed)")
 
-ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, FOLD_LINEAR,
+ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
                         FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
@@ -150,8 +150,8 @@ def gated_delta_off() -> bool:
     return GATED_DELTA.get() == "off"
 
 
-def fold_linear_off() -> bool:
-    return FOLD_LINEAR.get() == "off"
+def cuda_attention_off() -> bool:
+    return CUDA_ATTENTION.get() == "off"
 
 
 def fast_gelu() -> bool:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -112,8 +111,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
     from rewind.engine import Engine
-    from rewind.kernels import folded_linear
-    from rewind.kernels.gated_delta import ENV as GATED_DELTA_ENV
+    from rewind import env
     from rewind.models.loader import describe_compute
 
     print(f"== {name}: building and loading ...", flush=True)
@@ -156,10 +154,8 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         if {"engine", "greedy"} & set(args.parts):
             run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
         if "mlx-lm" in args.parts:
-            os.environ[GATED_DELTA_ENV] = "off"
-            with folded_linear.stepped_aside():
+            with env.overridden({env.GATED_DELTA: "off", env.CUDA_ATTENTION: "off"}):
                 run_mlx_lm(loaded.model, prompts(warm, 64), 8)
-            os.environ.pop(GATED_DELTA_ENV, None)
         for count in streams:
             if "engine" in args.parts and not deadline.passed():
                 record("engine", count,
@@ -168,15 +164,11 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                 record("greedy", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, None))
             if "mlx-lm" in args.parts and not deadline.passed():
-                # mlx-lm as shipped: Rewind's gated delta kernel and folded linear layers
+                # mlx-lm as shipped: Rewind's gated delta and decode attention kernels
                 # (installed on the model's modules by the loader) step aside while it runs.
-                os.environ[GATED_DELTA_ENV] = "off"
-                try:
-                    with folded_linear.stepped_aside():
-                        record("mlx-lm", count,
-                               run_mlx_lm(loaded.model, prompts(count), args.decode_tokens))
-                finally:
-                    os.environ.pop(GATED_DELTA_ENV, None)
+                with env.overridden({env.GATED_DELTA: "off", env.CUDA_ATTENTION: "off"}):
+                    record("mlx-lm", count,
+                           run_mlx_lm(loaded.model, prompts(count), args.decode_tokens))
             mx.clear_cache()
         entry["engine_stats"] = {k: v for k, v in engine.stats().items()
                                  if k in ("generated_tokens", "prefilled_tokens",

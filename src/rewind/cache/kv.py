@@ -26,12 +26,18 @@ by its window), linear-attention (ArraysCache) and quantized caches stay mlx-lm'
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, make_prompt_cache
 
 from rewind.cache.capacity import STEP, capacity_for, next_capacity
+
+# Per thread (each model's engine runs its steps on a thread of its own): the last decode-step
+# mask a GrowingBatchKVCache made from left padding alone.
+_decode_masks = threading.local()
 
 
 def repack(array: mx.array, start: int, stop: int, capacity: int) -> mx.array:
@@ -125,10 +131,22 @@ class GrowingBatchKVCache(BatchKVCache):
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         """Without padding (one row, or rows of one length): what a plain KVCache gives, no mask
         for a decode step and "causal" for a chunk, which MLX's fused attention takes (cuDNN on
-        CUDA refuses any array mask); mlx-lm's array mask otherwise."""
+        CUDA refuses any array mask); mlx-lm's array mask otherwise. A decode step's mask
+        without a window is remembered (see `left_padding_only`)."""
         if not return_array and kwargs.get("window_size") is None and self._no_padding():
             return None if N == 1 else "causal"
-        return super().make_mask(N, return_array=return_array, **kwargs)
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        if N == 1 and kwargs.get("window_size") is None and isinstance(mask, mx.array):
+            _decode_masks.last = weakref.ref(mask)
+        return mask
+
+    def left_padding_only(self, mask: Any) -> bool:
+        """Whether `mask` is the decode-step mask this thread's last `make_mask` made from left
+        padding alone: row b's keys are slots [left_padding[b], _idx) of every such cache in
+        the batch. An attention kernel that takes per-row starts (rewind.kernels
+        .cuda_attention) then needs no mask."""
+        last = getattr(_decode_masks, "last", None)
+        return last is not None and last() is mask
 
     def _no_padding(self) -> bool:
         if self._unpadded is None:

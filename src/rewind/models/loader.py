@@ -156,17 +156,17 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 
     target = dtype or compute_dtype()
     if not is_cpu_backend():
-        from rewind.kernels import folded_linear
         from rewind.kernels.gated_delta import use_in_model
 
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
-        if not env.fold_linear_off():
-            folded_linear.use_in_model(model)  # a decode batch's rows through one product
         if mx.cuda.is_available():
-            from rewind.kernels import shifted_conv
+            from rewind.kernels import cuda_attention, shifted_conv
 
             shifted_conv.use_in_model(model)  # no cuDNN plan per new prompt-chunk length
+            # a decode batch of rows of mixed lengths without MLX's masked (unfused) attention;
+            # Metal's fused attention takes the mask itself
+            cuda_attention.use_in_model(model)
         return model
     if stored is not None:
         from rewind.kernels.fast_head import install_fast_head

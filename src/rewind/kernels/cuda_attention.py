@@ -1,0 +1,183 @@
+"""Decode attention for a batch of rows of mixed lengths on CUDA (mx.fast.cuda_kernel).
+
+A decode step's rows sit left-padded in one KV buffer (mlx-lm's BatchKVCache): row b's keys are
+slots [left_padding[b], T). MLX's fused attention takes no per-row lengths, so such a batch
+passes a boolean mask, and MLX's CUDA backend then runs its unfused path: the scores as a
+batched matrix-vector product, a softmax, a second product (`gemv_batched` was 4.26 ms of a
+32-stream step's 7.5 ms of GPU time on an H100, Llama-3.2-1B shape; one layer's masked
+attention at 32 rows of 1,152 keys 0.61 ms against 0.32 ms unmasked, both measured there).
+
+This kernel reads each row's keys from its first real slot, so padding costs nothing. One
+thread block per (row, query head), WARPS warps: warp w takes the row's keys w, w + WARPS, ...
+counted from the row's first key, keeps an online softmax, and the warps' partial sums are
+combined in a fixed order. A row's result therefore does not depend on its padding or on the
+other rows of the batch. Each lane holds D / 32 elements of the query, of the output, and of
+each key and value it reads (D a multiple of 32, up to 256).
+
+What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
+[B, Hkv, capacity, D] buffer each, Hq a multiple of Hkv, no sinks, no sliding window. Anything
+else goes to MLX (`_attention` below decides). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
+attention for every step (read at each call).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+
+from rewind import env
+
+WARPS = 8  # warps per block: keys of a row split 8 ways
+
+_SOURCE = """
+    constexpr int PER = D / 32;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int row_head = blockIdx.x;
+    const int b = row_head / HQ;
+    const int hq = row_head % HQ;
+    const int hk = hq / (HQ / HKV);
+    const int total = length[0];
+    const size_t capacity = (size_t)length[1];
+    const int first = starts[b];
+    const float softmax_scale = scale[0];
+
+    float qr[PER];
+    const InT* q_row = q + (size_t)row_head * D + lane * PER;
+    for (int i = 0; i < PER; ++i) qr[i] = static_cast<float>(q_row[i]) * softmax_scale;
+    const size_t head_base = ((size_t)b * HKV + hk) * capacity * D + lane * PER;
+    const InT* k_head = k + head_base;
+    const InT* v_head = v + head_base;
+
+    float m = -1e30f;
+    float l = 0.0f;
+    float acc[PER];
+    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+    for (int t = first + warp; t < total; t += WARPS) {
+      const InT* kt = k_head + (size_t)t * D;
+      float s = 0.0f;
+      for (int i = 0; i < PER; ++i) s += qr[i] * static_cast<float>(kt[i]);
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+      const float m_new = fmaxf(m, s);
+      const float correction = expf(m - m_new);
+      const float p = expf(s - m_new);
+      l = l * correction + p;
+      const InT* vt = v_head + (size_t)t * D;
+      for (int i = 0; i < PER; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vt[i]);
+      m = m_new;
+    }
+
+    __shared__ float warp_m[WARPS];
+    __shared__ float warp_l[WARPS];
+    __shared__ float warp_acc[WARPS * D];
+    if (lane == 0) { warp_m[warp] = m; warp_l[warp] = l; }
+    for (int i = 0; i < PER; ++i) warp_acc[warp * D + lane * PER + i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+    float top = -1e30f;
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w]);
+    float sum = 0.0f;
+    float o[PER];
+    for (int i = 0; i < PER; ++i) o[i] = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = warp_l[w] > 0.0f ? expf(warp_m[w] - top) : 0.0f;
+      sum += warp_l[w] * f;
+      for (int i = 0; i < PER; ++i) o[i] += warp_acc[w * D + lane * PER + i] * f;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    InT* out_row = out + (size_t)row_head * D + lane * PER;
+    for (int i = 0; i < PER; ++i) out_row[i] = static_cast<InT>(o[i] * inv);
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="rewind_decode_attention",
+        input_names=["q", "k", "v", "starts", "length", "scale"], output_names=["out"],
+        source=_SOURCE)
+
+
+def available() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.array,
+                     length: int, starts: mx.array, scale: float) -> mx.array:
+    """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
+
+    queries [B, Hq, 1, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
+    length; starts [B] integers. Raises ValueError for shapes the kernel does not take."""
+    batch, query_heads, rows, dim = queries.shape
+    if rows != 1:
+        raise ValueError(f"one query token per row, got {rows}")
+    if key_buffer.shape != value_buffer.shape or key_buffer.ndim != 4:
+        raise ValueError(f"keys {key_buffer.shape} and values {value_buffer.shape} differ")
+    kv_batch, kv_heads, capacity, kv_dim = key_buffer.shape
+    if kv_batch != batch or kv_dim != dim or query_heads % kv_heads:
+        raise ValueError(f"queries {queries.shape} do not fit keys {key_buffer.shape}")
+    if dim % 32 or dim > 256:
+        raise ValueError(f"head size {dim}: a multiple of 32 up to 256")
+    if not 0 < length <= capacity or starts.shape != (batch,):
+        raise ValueError(f"length {length} of capacity {capacity}, starts {starts.shape}")
+    dtype = queries.dtype
+    return _kernel()(
+        inputs=[queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
+                starts.astype(mx.int32), mx.array([length, capacity], mx.int32),
+                mx.array([scale], mx.float32)],
+        # the capacity is an input, not a template argument: buffers grow along a ladder, and
+        # each template value compiles the kernel anew
+        template=[("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
+                  ("WARPS", WARPS)],
+        grid=(batch * query_heads * 32 * WARPS, 1, 1),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[queries.shape], output_dtypes=[dtype])[0]
+
+
+def _padded_layout(cache: Any, keys: mx.array, mask: Any) -> tuple[int, mx.array] | None:
+    """(length, starts) where this call is a decode step of a left-padded batch cache and its
+    mask says only "row b's keys start at left_padding[b]"; None otherwise. The cache class
+    says which masks those are (rewind.cache.kv.GrowingBatchKVCache.left_padding_only: a
+    model makes one mask, from its first layer's cache, for all its layers, and the rows of
+    every layer's cache share their padding)."""
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
+        return None
+    says = getattr(cache, "left_padding_only", None)
+    if says is None or not says(mask):
+        return None
+    starts = getattr(cache, "left_padding", None)
+    length = getattr(cache, "_idx", None)
+    buffer = getattr(cache, "keys", None)
+    if (not isinstance(starts, mx.array) or not isinstance(length, int) or buffer is None
+            or getattr(cache, "lengths", None) is not None
+            or keys.shape[2] != length or buffer.shape[:2] != keys.shape[:2]):
+        return None
+    return length, starts
+
+
+def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+               mask: Any, sinks: Any = None) -> mx.array:
+    """mlx_lm.models.base.scaled_dot_product_attention with the kernel where it applies."""
+    from mlx_lm.models import base
+
+    if (sinks is None and queries.shape[2] == 1 and not hasattr(cache, "bits")
+            and not env.cuda_attention_off()):
+        layout = _padded_layout(cache, keys, mask)
+        if layout is not None and queries.shape[-1] % 32 == 0 and queries.shape[-1] <= 256:
+            length, starts = layout
+            return decode_attention(queries, cache.keys, cache.values, length, starts, scale)
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                             mask=mask, sinks=sinks)
+
+
+def use_in_model(model: Any) -> int:
+    """Route `model`'s attention modules through `_attention` (rewind.kernels.rebind: this
+    model's modules only); returns how many were changed."""
+    from mlx_lm.models import base
+
+    from rewind.kernels.rebind import swap_function
+
+    return swap_function(model, "scaled_dot_product_attention", base.scaled_dot_product_attention,
+                         _attention)

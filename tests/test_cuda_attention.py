@@ -1,0 +1,171 @@
+"""rewind.kernels.cuda_attention: a decode batch of left-padded rows without MLX's masked
+attention on CUDA. Which calls it takes is decided from the cache (runs on every backend); the
+kernel itself runs where CUDA is (skipped elsewhere): it gives MLX's masked answer, and a row's
+bits do not depend on its padding or its neighbours."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rewind.cache.kv import GrowingBatchKVCache, GrowingKVCache
+from rewind.kernels import cuda_attention
+
+cuda = pytest.mark.skipif(not cuda_attention.available(), reason="needs MLX's CUDA backend")
+
+
+def filled(length: int, heads: int = 2, dim: int = 32, seed: int = 0) -> GrowingKVCache:
+    cache = GrowingKVCache()
+    rng = np.random.default_rng(seed)
+    keys = mx.array(rng.standard_normal((1, heads, length, dim)).astype(np.float32))
+    values = mx.array(rng.standard_normal((1, heads, length, dim)).astype(np.float32))
+    cache.update_and_fetch(keys, values)
+    return cache
+
+
+def decode_step(batch: GrowingBatchKVCache, heads: int = 2, dim: int = 32, **mask_kwargs):
+    mask = batch.make_mask(1, **mask_kwargs)
+    new = mx.zeros((batch.keys.shape[0], heads, 1, dim))
+    keys, values = batch.update_and_fetch(new, new)
+    return mask, keys, values
+
+
+def test_a_padded_decode_step_is_taken_with_each_rows_first_slot() -> None:
+    batch = GrowingBatchKVCache.merge([filled(5), filled(9, seed=1), filled(2, seed=2)])
+    mask, keys, _ = decode_step(batch)
+    layout = cuda_attention._padded_layout(batch, keys, mask)
+    assert layout is not None
+    length, starts = layout
+    assert length == 10 and starts.tolist() == [4, 0, 7]
+    # what the mask says, row by row: keys from the row's first slot on
+    allowed = np.array(mask).reshape(3, -1)
+    assert [int(np.argmax(row)) for row in allowed] == [4, 0, 7] and allowed.all(axis=0)[-1]
+
+
+def test_other_masks_keep_mlx() -> None:
+    batch = GrowingBatchKVCache.merge([filled(5), filled(9, seed=1)])
+    windowed, keys, _ = decode_step(batch, window_size=4)
+    assert cuda_attention._padded_layout(batch, keys, windowed) is None
+    chunk_mask = batch.make_mask(3)  # a prompt chunk's mask
+    assert not batch.left_padding_only(chunk_mask)
+    plain, keys, _ = decode_step(batch)
+    assert cuda_attention._padded_layout(batch, keys, plain) is not None
+    # a copy of the mask, another layer's keys of another length, or a plain cache: not taken
+    assert cuda_attention._padded_layout(batch, keys, mx.array(np.array(plain))) is None
+    assert cuda_attention._padded_layout(batch, keys[..., :-1, :], plain) is None
+    assert cuda_attention._padded_layout(filled(4), keys, plain) is None
+
+
+def test_the_mask_is_remembered_per_thread() -> None:
+    batch = GrowingBatchKVCache.merge([filled(5), filled(9, seed=1)])
+    mask, _, _ = decode_step(batch)
+    seen: list[bool] = []
+    other = threading.Thread(target=lambda: seen.append(batch.left_padding_only(mask)))
+    other.start()
+    other.join()
+    assert seen == [False] and batch.left_padding_only(mask)
+
+
+def test_shapes_the_kernel_does_not_take_raise() -> None:
+    q = mx.zeros((2, 4, 1, 64))
+    kv = mx.zeros((2, 2, 16, 64))
+    starts = mx.array([0, 3])
+    with pytest.raises(ValueError, match="one query token"):
+        cuda_attention.decode_attention(mx.zeros((2, 4, 2, 64)), kv, kv, 8, starts, 0.1)
+    with pytest.raises(ValueError, match="do not fit"):
+        cuda_attention.decode_attention(mx.zeros((2, 3, 1, 64)), kv, kv, 8, starts, 0.1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cuda_attention.decode_attention(mx.zeros((2, 4, 1, 48)), mx.zeros((2, 2, 16, 48)),
+                                        mx.zeros((2, 2, 16, 48)), 8, starts, 0.1)
+    with pytest.raises(ValueError, match="capacity"):
+        cuda_attention.decode_attention(q, kv, kv, 17, starts, 0.1)
+
+
+@cuda
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 64), (8, 2, 256), (4, 4, 128)])
+def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int) -> None:
+    rng = np.random.default_rng(dim)
+    batch, capacity, length = 5, 640, 600
+    q = mx.array(rng.standard_normal((batch, heads, 1, dim)).astype(np.float32)).astype(mx.bfloat16)
+    k = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)).astype(np.float32)).astype(mx.bfloat16)
+    v = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)).astype(np.float32)).astype(mx.bfloat16)
+    starts = mx.array([0, 1, 77, 599, 300], mx.int32)
+    mask = mx.arange(length)[None, None, None, :] >= starts[:, None, None, None]
+    scale = dim ** -0.5
+    expected = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), k[..., :length, :].astype(mx.float32),
+        v[..., :length, :].astype(mx.float32), scale=scale, mask=mask)
+    got = cuda_attention.decode_attention(q, k, v, length, starts, scale)
+    assert got.shape == q.shape and got.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected),
+                               atol=2e-2, rtol=2e-2)
+
+
+@cuda
+def test_a_rows_bits_do_not_depend_on_its_padding_or_neighbours() -> None:
+    rng = np.random.default_rng(1)
+    own_k = rng.standard_normal((1, 2, 300, 64)).astype(np.float32)
+    own_v = rng.standard_normal((1, 2, 300, 64)).astype(np.float32)
+    q = mx.array(rng.standard_normal((1, 8, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
+    alone = cuda_attention.decode_attention(
+        q, mx.array(own_k).astype(mx.bfloat16), mx.array(own_v).astype(mx.bfloat16), 300,
+        mx.array([0]), 0.125)
+    padding = 133
+    k = np.zeros((3, 2, 512, 64), np.float32)
+    v = np.zeros((3, 2, 512, 64), np.float32)
+    k[1, :, padding:padding + 300], v[1, :, padding:padding + 300] = own_k[0], own_v[0]
+    k[0], v[0] = rng.standard_normal((2, 512, 64)), rng.standard_normal((2, 512, 64))
+    k[2], v[2] = rng.standard_normal((2, 512, 64)), rng.standard_normal((2, 512, 64))
+    queries = mx.concatenate([q * 2, q, q * 3])
+    batched = cuda_attention.decode_attention(
+        queries, mx.array(k).astype(mx.bfloat16), mx.array(v).astype(mx.bfloat16),
+        padding + 300, mx.array([0, padding, 50]), 0.125)
+    assert np.array_equal(np.array(batched[1:2].astype(mx.float32)),
+                          np.array(alone.astype(mx.float32)))
+
+
+@cuda
+def test_a_mixed_length_batch_decodes_as_with_mlxs_attention(tiny_model_path) -> None:
+    """Through the engine on a tiny Llama: three prompts of different lengths decoding together
+    give the tokens and (up to bf16 rounding) the log-probabilities of MLX's masked attention,
+    and the kernel really ran."""
+    from rewind import env
+    from rewind.config import EngineConfig
+    from rewind.engine import Engine, GenerationRequest, SamplingParams
+    from rewind.models.loader import load_model
+
+    loaded = load_model(str(tiny_model_path("llama")))
+    prompts = [loaded.tokenizer.encode(text) for text in
+               ("one two three", "a longer prompt with quite a few more words in it than the first",
+                "the middle one, of some length")]
+    calls = 0
+    original = cuda_attention.decode_attention
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    def run() -> list[list[tuple[int, float]]]:
+        with Engine(loaded, EngineConfig(parallel=3)) as engine:
+            no_eos = {int(t): -100.0 for t in engine.eos_token_ids}
+            streams = [engine.submit(GenerationRequest(p, SamplingParams(
+                temperature=0.0, max_tokens=12, logprobs=True, logit_bias=no_eos)))
+                for p in prompts]
+            results = [s.collect(120) for s in streams]
+        return [list(zip(r.tokens, r.logprobs)) for r in results]
+
+    cuda_attention.decode_attention = counted
+    try:
+        with_kernel = run()
+        with env.overridden({env.CUDA_ATTENTION: "off"}):
+            without = run()
+    finally:
+        cuda_attention.decode_attention = original
+    assert calls > 0
+    for ours, theirs in zip(with_kernel, without):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs], abs=0.05)
