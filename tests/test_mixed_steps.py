@@ -66,6 +66,7 @@ def any_loaded(request: pytest.FixtureRequest, tiny_loaded):
     return tiny_loaded(request.param)
 
 
+@pytest.mark.cpu_only  # calls stopped between layers: the CPU kernels' forward pass
 @pytest.mark.parametrize("budget", [18, 5])
 def test_a_long_prompt_arriving_mid_stream_does_not_stall_the_running_row(tiny_loaded, budget):
     """Count the prefill work done between two tokens of a running row (work, not time: prompt
@@ -162,6 +163,7 @@ def test_mixed_and_cached_give_the_alone_logits(any_loaded, tmp_path, budget):
         prompt_cache.close()
 
 
+@pytest.mark.cpu_only  # further passes of a step: planned where calls can stop between layers
 def test_a_prompt_cut_by_checkpoints_gets_its_small_calls_in_one_step(tiny_loaded):
     """A follow-up turn's new tokens come cut into small calls (a message boundary, the
     prompt's last token but one), each depending on the one before. Next to a decoding row they

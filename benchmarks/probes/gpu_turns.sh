@@ -2,8 +2,9 @@
 # One GPU session's probes (run on the device from the repository root, after the wheels are
 # staged as ../shared/GPU.md says and PYTHONPATH=/tmp/site:$PWD/src): what a new shape costs,
 # the served turn latencies of server processes in a row, which libmlx.so a clean virtual
-# environment ends with, and (PART=fold) the folded linear layers' effect. Writes under $OUT.
-#   PART=shapes|turns|install|fold|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
+# environment ends with, and (PART=attention) the decode attention kernel against MLX's, then the
+# in-engine cached turn. Writes under $OUT.
+#   PART=shapes|turns|install|attention|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
 set -u
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -22,12 +23,11 @@ if [ "$part" = all ] || [ "$part" = turns ]; then
     ${RUNS:+--runs "$RUNS"} --json "$out/turn-latency.json" > "$out/turn-latency.txt" 2>&1
   tail -n 20 "$out/turn-latency.txt"
 fi
-if [ "$part" = fold ]; then
-  # The folded linear layers' own effect (rewind.kernels.folded_linear), with and without in one
-  # process, then the in-engine cached turn with the warm-up's cached turn in place.
-  python3 benchmarks/probes/folded_linear_ab.py --models ${MODELS:-llama-3.2-1b qwen3.5-0.8b} \
-    --rounds "${ROUNDS:-2}" --json "$out/folded-linear-ab.json" > "$out/folded-linear-ab.txt" 2>&1
-  tail -n 24 "$out/folded-linear-ab.txt"
+if [ "$part" = attention ]; then
+  # Rewind's decode attention for rows of mixed lengths against MLX's masked and unmasked
+  # attention, one layer (rewind.kernels.cuda_attention), then the in-engine cached turn.
+  python3 benchmarks/probes/sdpa_mask_cost.py --json "$out/sdpa-mask-cost.json" > "$out/sdpa-mask-cost.txt" 2>&1
+  tail -n 8 "$out/sdpa-mask-cost.txt"
   python3 benchmarks/probes/cached_turn_profile.py --shape "${SHAPE:-qwen3.5-0.8b}" \
     --json "$out/cached-turn-profile.json" > "$out/cached-turn-profile.txt" 2>&1
   head -n 4 "$out/cached-turn-profile.txt"
