@@ -87,5 +87,17 @@ def test_a_call_kept_whole_forgets_its_record(qwen):
                    if isinstance(layer, ArraysCache))
 
 
+def test_a_model_whose_recurrence_is_not_observed_does_not_draft(bf16_loaded):
+    """install's self-check: with no observer the recurrence's arguments never reach the record,
+    so the model must not draft (its first rollback would fail)."""
+    model = bf16_loaded("qwen3_5").model
+    gated_delta.observe(None)
+    try:
+        assert not linear_steps.install(model)
+    finally:
+        gated_delta.observe(linear_steps.note_recurrence)
+    assert linear_steps.install(model)
+
+
 def test_a_model_without_gated_delta_layers_does_not_record(tiny_loaded):
     assert not linear_steps.install(tiny_loaded("llama").model)

@@ -34,8 +34,9 @@ Observer = Callable[[Any, dict[str, Any], Callable[..., Any]], None]
 _observer: Observer | None = None
 
 
-def observe(observer: Observer) -> None:
-    """Hand every call's (state, arguments, this function) to `observer` from now on."""
+def observe(observer: Observer | None) -> None:
+    """Hand every call's (state, arguments, this function) to `observer` from now on (None: to
+    nobody)."""
     global _observer
     _observer = observer
 
