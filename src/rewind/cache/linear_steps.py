@@ -65,12 +65,17 @@ def _current() -> _Recording | None:
     return getattr(_local, "recording", None)
 
 
-def _linear_layers(layers: list[Any]) -> Iterator[ArraysCache]:
+def leaf_caches(layers: list[Any]) -> Iterator[Any]:
+    """Every layer cache of a sequence's cache, those inside a CacheList one by one."""
     for layer in layers:
         if type(layer) is CacheList:
-            yield from _linear_layers(list(layer.caches))
-        elif type(layer) is ArraysCache:
+            yield from leaf_caches(list(layer.caches))
+        else:
             yield layer
+
+
+def _linear_layers(layers: list[Any]) -> Iterator[ArraysCache]:
+    return (layer for layer in leaf_caches(layers) if type(layer) is ArraysCache)
 
 
 @contextmanager

@@ -54,7 +54,7 @@ def roll_back(layers: list[Any], tokens: int) -> None:
     cache that cannot, before changing any layer."""
     if tokens < 0:
         raise ValueError(f"cannot roll back {tokens} tokens")
-    flat = list(_flatten(layers))
+    flat = list(linear_steps.leaf_caches(layers))
     if tokens == 0:
         for layer in flat:  # forget the keys a block wrote over: they stay written
             if type(layer) is ArraysCache:
@@ -102,9 +102,3 @@ def roll_back(layers: list[Any], tokens: int) -> None:
         mx.async_eval(written)
 
 
-def _flatten(layers: list[Any]):
-    for layer in layers:
-        if type(layer) is CacheList:
-            yield from _flatten(list(layer.caches))
-        else:
-            yield layer
