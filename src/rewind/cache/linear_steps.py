@@ -202,8 +202,8 @@ def _records_in_full(module: Any) -> bool:
     """Whether a recorded call of one of the model's gated-delta layers (all are one class)
     leaves it a complete record: a layer whose call no longer reaches the hooks as expected
     (another mlx-lm) would make a drafting row fail at its rollback, so such a model does not
-    draft. One layer's two small calls, not the model's: the whole 0.8B model's took 0.76 s at
-    start-up on 2 cores."""
+    draft. One layer's two small calls, not the model's: on a random model of Qwen 3.5 0.8B's
+    shape, on 2 cores, 21-38 ms where the whole model's took 0.76 s at start-up."""
     cache = ArraysCache(2)
     try:
         dtype = module.dt_bias.dtype
