@@ -100,5 +100,3 @@ def roll_back(layers: list[Any], tokens: int) -> None:
     # default model, 2.4 ms of a 25 ms verifying step).
     if written:
         mx.async_eval(written)
-
-
