@@ -169,3 +169,66 @@ def test_a_mixed_length_batch_decodes_as_with_mlxs_attention(tiny_model_path) ->
     for ours, theirs in zip(with_kernel, without):
         assert [t for t, _ in ours] == [t for t, _ in theirs]
         assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs], abs=0.05)
+
+
+def _reference(queries, key_buffer, value_buffer, length, starts, scale):
+    """What decode_attention computes, row by row through MLX: each row's keys from its start."""
+    rows = [mx.fast.scaled_dot_product_attention(
+        queries[b:b + 1], key_buffer[b:b + 1, :, start:length],
+        value_buffer[b:b + 1, :, start:length], scale=scale)
+        for b, start in enumerate(starts.tolist())]
+    return mx.concatenate(rows)
+
+
+def test_a_models_padded_decode_step_is_routed_with_each_rows_keys(tiny_model_path, monkeypatch):
+    """On any backend, with the kernel replaced by its definition: mlx-lm's Llama decoding two
+    rows of different lengths in one left-padded batch routes every layer's attention to the
+    kernel with the right buffers, length and starts, and gets MLX's masked logits."""
+    from mlx_lm.utils import load
+
+    model, _ = load(str(tiny_model_path("llama")))
+    plain, _ = load(str(tiny_model_path("llama")))
+    assert cuda_attention.use_in_model(model) > 0
+    calls: list[list[int]] = []
+
+    def recorded(queries, key_buffer, value_buffer, length, starts, scale):
+        calls.append(starts.tolist())
+        return _reference(queries, key_buffer, value_buffer, length, starts, scale)
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", recorded)
+
+    def decode(which) -> np.ndarray:
+        from rewind.cache.kv import make_cache
+
+        rows = []
+        for prompt in ([5, 9, 13, 17, 21, 25, 29], [7, 11, 15]):
+            cache = make_cache(which)
+            mx.eval(which(mx.array([prompt]), cache=cache))
+            rows.append(cache)
+        batch = [GrowingBatchKVCache.merge([a, b]) for a, b in zip(*rows)]
+        return np.array(which(mx.array([[40], [41]]), cache=batch).astype(mx.float32))
+
+    routed, masked = decode(model), decode(plain)
+    assert len(calls) == len(model.layers) and all(c == [0, 4] for c in calls)
+    np.testing.assert_allclose(routed, masked, atol=1e-4, rtol=1e-4)
+
+
+def test_keys_wider_than_values_keep_mlx(monkeypatch) -> None:
+    """DeepSeek-V2-like layers (192-wide keys, 128-wide values) pass the same mask: MLX's
+    attention takes them, not the kernel (which would raise)."""
+    from mlx_lm.models import base
+
+    monkeypatch.setattr(cuda_attention, "decode_attention",
+                        lambda *a, **k: pytest.fail("the kernel was called"))
+    rows = []
+    for length in (5, 9):
+        cache = GrowingKVCache()
+        cache.update_and_fetch(mx.ones((1, 2, length, 64)), mx.ones((1, 2, length, 32)))
+        rows.append(cache)
+    batch = GrowingBatchKVCache.merge(rows)
+    mask = batch.make_mask(1)
+    keys, values = batch.update_and_fetch(mx.ones((2, 2, 1, 64)), mx.ones((2, 2, 1, 32)))
+    queries = mx.ones((2, 4, 1, 64))
+    out = cuda_attention._attention(queries, keys, values, batch, 0.125, mask)
+    expected = base.scaled_dot_product_attention(queries, keys, values, batch, 0.125, mask)
+    assert out.shape == (2, 4, 1, 32) and np.allclose(np.array(out), np.array(expected))

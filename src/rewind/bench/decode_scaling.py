@@ -212,8 +212,12 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
 
     if "llama-cpp" in args.parts and family == "llama" and not deadline.passed():
         print(f"== {name}: llama.cpp's llama-batched-bench on an F16 GGUF ...", flush=True)
-        llama = run_llama_cpp(folder, args.llama_cpp_bin, work_dir, args.prompt_tokens,
-                              args.decode_tokens, streams)
+        try:
+            llama = run_llama_cpp(folder, args.llama_cpp_bin, work_dir, args.prompt_tokens,
+                                  args.decode_tokens, streams)
+        except Exception as exc:  # Rewind's rows stand without it
+            llama = {"command": "(not run)", "version": "-",
+                     "error": f"{type(exc).__name__}: {exc}"}
         for count, row in llama.pop("rows", {}).items():
             record("llama.cpp", count, row)
         entry["llama_cpp"] = llama

@@ -36,8 +36,9 @@ def write_f16_gguf(folder: Path, out: Path) -> Path:
     import mlx.core as mx
     import numpy as np
 
-    if out.exists():
-        return out
+    weights_file = folder / "model.safetensors"
+    if out.exists() and out.stat().st_mtime >= weights_file.stat().st_mtime:
+        return out  # written from these weights (a rebuilt folder writes it again)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != LLAMA_ARCH:
         raise ValueError(f"llama.cpp's GGUF is written for Llama shapes only, not "
@@ -64,18 +65,22 @@ def write_f16_gguf(folder: Path, out: Path) -> Path:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    by_id = {index: token for token, index in tokenizer["model"]["vocab"].items()}
     specials = {token["id"]: token["content"] for token in tokenizer.get("added_tokens", [])}
-    tokens = [token for token, _ in vocab]
-    types = [gguf.TokenType.CONTROL if index in specials else gguf.TokenType.NORMAL
-             for _, index in vocab]
-    for index in range(len(tokens), vocab_size):  # the converter's padding
-        tokens.append(f"[PAD{index}]")
-        types.append(gguf.TokenType.UNUSED)
+    by_id.update(specials)
+    tokens: list[str] = []
+    types: list[int] = []
+    for index in range(vocab_size):  # by id, unknown ids padded, as the converter does
+        if index in by_id:
+            tokens.append(by_id[index])
+            types.append(gguf.TokenType.CONTROL if index in specials else gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens[:vocab_size])
-    writer.add_token_types(types[:vocab_size])
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
                              for m in tokenizer["model"].get("merges", [])])
     eos = config.get("eos_token_id")
@@ -84,12 +89,12 @@ def write_f16_gguf(folder: Path, out: Path) -> Path:
     if eos is not None:
         writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
 
-    weights = mx.load(str(folder / "model.safetensors"))
+    weights = mx.load(str(weights_file))  # random models are one file (build_tiny_model)
     for name, value in weights.items():
         array = np.array(value.astype(mx.float32))
-        if name.endswith("q_proj.weight"):
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _permute_rope_rows(array, heads)
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _permute_rope_rows(array, kv_heads)
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:

@@ -193,13 +193,14 @@ def install(model: Any) -> bool:
     make_cache = getattr(model, "make_cache", None)
     if not layers or make_cache is None:
         return False
-    if sum(1 for _ in _linear_layers(make_cache())) != len(layers):
+    if (sum(1 for _ in _linear_layers(make_cache())) != len(layers)
+            or len({type(module) for module in layers}) != 1):
         return False
     return _records_in_full(layers[0])
 
 
 def _records_in_full(module: Any) -> bool:
-    """Whether a recorded call of one of the model's gated-delta layers (all are one class)
+    """Whether a recorded call of one of the model's gated-delta layers (all of one class)
     leaves it a complete record: a layer whose call no longer reaches the hooks as expected
     (another mlx-lm) would make a drafting row fail at its rollback, so such a model does not
     draft. One layer's two small calls, not the model's: on a random model of Qwen 3.5 0.8B's
@@ -211,7 +212,7 @@ def _records_in_full(module: Any) -> bool:
         mx.eval(module(mx.zeros((1, 3, width), dtype), cache=cache))
         with recording([cache]):
             mx.eval(module(mx.full((1, 2, width), 0.01, dtype), cache=cache))
-    except (AttributeError, TypeError, ValueError):  # a layer of another shape or signature
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # another shape or signature
         return False
     complete = can_give_back(cache)
     forget([cache])

@@ -15,8 +15,9 @@ other rows of the batch. Each lane holds D / 32 elements of the query, of the ou
 each key and value it reads (D a multiple of 32, up to 256).
 
 What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
-[B, Hkv, capacity, D] buffer each, Hq a multiple of Hkv, no sinks, no sliding window. Anything
-else goes to MLX (`_attention` below decides). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
+[B, Hkv, capacity, D] buffer each of the queries' dtype, Hq a multiple of Hkv, no sinks, no
+sliding window. A row with no key gets zeros. Anything else goes to MLX (`_attention` below
+decides). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
 attention for every step (read at each call).
 """
 
@@ -149,12 +150,25 @@ def _padded_layout(cache: Any, keys: mx.array, mask: Any) -> tuple[int, mx.array
         return None
     starts = getattr(cache, "left_padding", None)
     length = getattr(cache, "_idx", None)
-    buffer = getattr(cache, "keys", None)
+    buffer, value_buffer = getattr(cache, "keys", None), getattr(cache, "values", None)
     if (not isinstance(starts, mx.array) or not isinstance(length, int) or buffer is None
-            or getattr(cache, "lengths", None) is not None
-            or keys.shape[2] != length or buffer.shape[:2] != keys.shape[:2]):
+            or value_buffer is None or getattr(cache, "lengths", None) is not None
+            or keys.shape[2] != length or buffer.shape[:2] != keys.shape[:2]
+            or mask.shape != (keys.shape[0], 1, 1, length)):
         return None
     return length, starts
+
+
+def _kernel_takes(queries: mx.array, cache: Any) -> bool:
+    """Shapes and types the kernel computes as they are: one head size for queries, keys and
+    values (DeepSeek-V2-like layers have wider keys than values), whole groups of query heads
+    per key-value head, keys and values already in the queries' dtype (a cast would copy the
+    whole buffer every layer and step)."""
+    keys, values = cache.keys, cache.values
+    dim = queries.shape[-1]
+    return (keys.shape == values.shape and keys.shape[-1] == dim and dim % 32 == 0
+            and dim <= 256 and queries.shape[1] % keys.shape[1] == 0
+            and keys.dtype == queries.dtype == values.dtype)
 
 
 def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
@@ -165,7 +179,7 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
     if (sinks is None and queries.shape[2] == 1 and not hasattr(cache, "bits")
             and not env.cuda_attention_off()):
         layout = _padded_layout(cache, keys, mask)
-        if layout is not None and queries.shape[-1] % 32 == 0 and queries.shape[-1] <= 256:
+        if layout is not None and _kernel_takes(queries, cache):
             length, starts = layout
             return decode_attention(queries, cache.keys, cache.values, length, starts, scale)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
