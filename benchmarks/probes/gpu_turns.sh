@@ -4,7 +4,7 @@
 # the served turn latencies of server processes in a row, which libmlx.so a clean virtual
 # environment ends with, and (PART=attention) the decode attention kernel against MLX's, then the
 # in-engine cached turn. Writes under $OUT.
-#   PART=shapes|turns|install|attention|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
+#   PART=shapes|turns|install|attention|host|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
 set -u
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -31,6 +31,13 @@ if [ "$part" = attention ]; then
   python3 benchmarks/probes/cached_turn_profile.py --shape "${SHAPE:-qwen3.5-0.8b}" \
     --json "$out/cached-turn-profile.json" > "$out/cached-turn-profile.txt" 2>&1
   head -n 4 "$out/cached-turn-profile.txt"
+fi
+if [ "$part" = host ]; then
+  # MLX alone (mlx and mlx-lm, no Rewind): a decode step's host time per MLX_MAX_OPS_PER_BUFFER,
+  # the minimal reproduction docs/HARDWARE.md names for MLX upstream.
+  python3 benchmarks/probes/mlx_step_host_cost.py --ops-per-buffer ${OPS:-20 64 128 250} \
+    --json "$out/mlx-step-host-cost.json" > "$out/mlx-step-host-cost.txt" 2>&1
+  tail -n 10 "$out/mlx-step-host-cost.txt"
 fi
 if [ -n "${INSTALL_TEST:-}" ] && { [ "$part" = all ] || [ "$part" = turns ] || [ "$part" = install ]; }; then
   (
