@@ -108,10 +108,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                   save: Callable[[], None]) -> None:
     import mlx.core as mx
 
+    from rewind import env
     from rewind.cache.prompt_cache import PromptCache
     from rewind.config import CacheConfig, EngineConfig
     from rewind.engine import Engine
-    from rewind import env
     from rewind.models.loader import describe_compute
 
     print(f"== {name}: building and loading ...", flush=True)

@@ -42,7 +42,7 @@ _SOURCE = """
     const int hk = hq / (HQ / HKV);
     const int total = length[0];
     const size_t capacity = (size_t)length[1];
-    const int first = starts[b];
+    const int first = max(starts[b], 0);  // never a slot before the buffer
     const float softmax_scale = scale[0];
 
     float qr[PER];
