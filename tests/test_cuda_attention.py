@@ -82,10 +82,22 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
                                         mx.zeros((2, 2, 16, 48)), 8, starts, 0.1)
     with pytest.raises(ValueError, match="capacity"):
         cuda_attention.decode_attention(q, kv, kv, 17, starts, 0.1)
+    with pytest.raises(ValueError, match="one element"):
+        cuda_attention.decode_attention(q, kv, kv, mx.array([8, 9]), starts, 0.1)
+    with pytest.raises(ValueError, match="shared memory"):  # 16 query heads of 256 per group
+        cuda_attention.decode_attention(mx.zeros((2, 16, 1, 256)), mx.zeros((2, 1, 16, 256)),
+                                        mx.zeros((2, 1, 16, 256)), 8, starts, 0.1)
+
+
+def test_groups_too_wide_for_a_block_keep_mlx() -> None:
+    wide = GrowingBatchKVCache.merge([filled(5, heads=1, dim=256), filled(9, heads=1, dim=256)])
+    assert not cuda_attention._kernel_takes(mx.zeros((2, 16, 1, 256)), wide)
+    assert cuda_attention._kernel_takes(mx.zeros((2, 4, 1, 256)), wide)
 
 
 @cuda
-@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 64), (8, 2, 256), (4, 4, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [(32, 8, 64), (8, 2, 256), (4, 4, 128), (16, 1, 64), (8, 1, 128)])
 def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int) -> None:
     rng = np.random.default_rng(dim)
     batch, capacity, length = 5, 640, 600
@@ -102,6 +114,20 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
     assert got.shape == q.shape and got.dtype == mx.bfloat16
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected),
                                atol=2e-2, rtol=2e-2)
+    # the length as an array on the device (a compiled step's), the same bits
+    from_array = cuda_attention.decode_attention(q, k, v, mx.array([length]), starts, scale)
+    assert np.array_equal(np.array(from_array.astype(mx.float32)), np.array(got.astype(mx.float32)))
+
+
+@cuda
+def test_a_length_past_the_buffer_reads_only_the_buffer() -> None:
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
+    k = mx.array(rng.standard_normal((2, 2, 96, 64)).astype(np.float32)).astype(mx.bfloat16)
+    starts = mx.array([0, 10], mx.int32)
+    whole = cuda_attention.decode_attention(q, k, k, 96, starts, 0.125)
+    past = cuda_attention.decode_attention(q, k, k, mx.array([10_000]), starts, 0.125)
+    assert np.array_equal(np.array(past.astype(mx.float32)), np.array(whole.astype(mx.float32)))
 
 
 @cuda

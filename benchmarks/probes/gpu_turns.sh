@@ -4,7 +4,7 @@
 # the served turn latencies of server processes in a row, which libmlx.so a clean virtual
 # environment ends with, and (PART=attention) the decode attention kernel against MLX's, then the
 # in-engine cached turn. Writes under $OUT.
-#   PART=shapes|turns|install|attention|host|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
+#   PART=shapes|turns|install|attention|host|compiled|sanitize|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
 set -u
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -35,9 +35,28 @@ fi
 if [ "$part" = host ]; then
   # MLX alone (mlx and mlx-lm, no Rewind): a decode step's host time per MLX_MAX_OPS_PER_BUFFER,
   # the minimal reproduction docs/HARDWARE.md names for MLX upstream.
-  python3 benchmarks/probes/mlx_step_host_cost.py --ops-per-buffer ${OPS:-20 64 128 250} \
+  # each of SETTINGS in a child process: "default" or NAME=VALUE[,NAME=VALUE]
+  python3 benchmarks/probes/mlx_step_host_cost.py --batches ${BATCHES:-1 8 32} \
+    --settings ${SETTINGS:-default MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_OPS_PER_BUFFER=250 MLX_USE_CUDA_GRAPHS=0} \
     --json "$out/mlx-step-host-cost.json" > "$out/mlx-step-host-cost.txt" 2>&1
-  tail -n 10 "$out/mlx-step-host-cost.txt"
+  tail -n 40 "$out/mlx-step-host-cost.txt"
+fi
+if [ "$part" = compiled ]; then
+  # a fixed-shape decode step, plain and under mx.compile, against mlx-lm's (Llama-3.2-1B shape)
+  python3 benchmarks/probes/compiled_step.py --batches ${BATCHES:-1 8 32} \
+    --json "$out/compiled-step.json" > "$out/compiled-step.txt" 2>&1
+  tail -n 12 "$out/compiled-step.txt"
+fi
+if [ "$part" = sanitize ]; then
+  # compute-sanitizer's memcheck and racecheck on Rewind's attention kernel only (MLX's own
+  # kernels are not checked), through its CUDA tests
+  sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  for tool in memcheck racecheck; do
+    "$sanitizer" --tool "$tool" --error-exitcode 9 --kernel-name kns=rewind_decode_attention \
+      python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py -k "not mixed_length" \
+      > "$out/sanitize-$tool.txt" 2>&1
+    echo "$tool exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$out/sanitize-$tool.txt" | tail -n 3
+  done
 fi
 if [ -n "${INSTALL_TEST:-}" ] && { [ "$part" = all ] || [ "$part" = turns ] || [ "$part" = install ]; }; then
   (

@@ -7,7 +7,8 @@ before the previous token is read. Per step it reports the time to build the gra
 Python), the time mx.async_eval takes to return (MLX walking the graph and encoding it: on CUDA,
 a CUDA graph node per kernel, committed every MLX_MAX_OPS_PER_BUFFER nodes as an updated cached
 graph), and the step's wall time. Where wall ~= build + async_eval, the host sets the pace and
-the GPU waits. --ops-per-buffer runs each value in a child process (MLX reads the variable once).
+the GPU waits. --settings runs each environment (MLX_MAX_OPS_PER_BUFFER, MLX_USE_CUDA_GRAPHS, ...)
+in a child process (MLX reads its variables once).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def measure(batch: int, prompt: int, steps: int, tiny: bool) -> dict[str, float]
             "wall_ms_median": 1e3 * walls[len(walls) // 2],
             "tok_s": batch / (sum(walls) / len(walls)), "device": str(mx.default_device()),
             "mlx": mx.__version__,
-            "ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default")}
+            "setting": os.environ.get("PROBE_SETTING", "default")}
 
 
 def main() -> None:
@@ -76,26 +77,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--ops-per-buffer", nargs="*", default=[],
                         help="MLX_MAX_OPS_PER_BUFFER values, each in a child process")
+    parser.add_argument("--settings", nargs="*", default=[],
+                        help="environments, each in a child process: 'default' or "
+                             "NAME=VALUE[,NAME=VALUE] (MLX reads its variables once), e.g. "
+                             "MLX_USE_CUDA_GRAPHS=0")
     parser.add_argument("--tiny", action="store_true", help="a 4-layer model (a check the probe runs)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one or not args.ops_per_buffer:
+    settings = args.settings + [f"MLX_MAX_OPS_PER_BUFFER={v}" for v in args.ops_per_buffer]
+    if args.one or not settings:
         rows = [measure(b, args.prompt_tokens, args.steps, args.tiny) for b in args.batches]
         if args.one:
             print(json.dumps(rows))
             return
     else:
         rows = []
-        for value in args.ops_per_buffer:
+        for setting in settings:
+            variables = {} if setting == "default" else dict(
+                item.split("=", 1) for item in setting.split(","))
             argv = [sys.executable, __file__, "--one", "--batches", *map(str, args.batches),
                     "--prompt-tokens", str(args.prompt_tokens), "--steps", str(args.steps)]
             argv += ["--tiny"] if args.tiny else []
-            done = subprocess.run(argv, env={**os.environ, "MLX_MAX_OPS_PER_BUFFER": value},
+            done = subprocess.run(argv, env={**os.environ, **variables, "PROBE_SETTING": setting},
                                   capture_output=True, text=True, check=True)
             rows += json.loads(done.stdout.strip().splitlines()[-1])
     for row in rows:
-        print(f"B={row['batch']:<3} ops/buffer={row['ops_per_buffer']:<8} build "
+        print(f"B={row['batch']:<3} {row['setting']:<34} build "
               f"{row['build_ms']:.2f} ms  async_eval {row['async_eval_ms']:.2f} ms  step "
               f"{row['wall_ms_median']:.2f} ms  {row['tok_s']:.0f} tok/s", flush=True)
     if args.json:
