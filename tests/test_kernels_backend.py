@@ -35,7 +35,7 @@ def test_a_plain_mlx_lm_model_beside_a_loaded_one_runs_mlx_lms_functions(tiny_mo
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as load_mlx_model
 
-    from rewind.kernels import cpu_attention
+    from rewind.kernels import cpu_attention, cuda_attention
     from rewind.kernels import gated_delta as rewind_gated_delta
 
     path = tiny_model_path("qwen3_5")
@@ -49,8 +49,10 @@ def test_a_plain_mlx_lm_model_beside_a_loaded_one_runs_mlx_lms_functions(tiny_mo
     assert qwen3_5.GatedDeltaNet.__call__.__globals__ is vars(qwen3_5)
     assert all(type(m).__module__.startswith(("mlx.", "mlx_lm.")) for m in plain.modules())
 
-    kernels = {rewind_gated_delta.gated_delta_update.__code__,
-               cpu_attention._mlx_layers_attention.__code__}
+    # attention: the CPU's C kernel, or on CUDA the decode kernel's router (Metal keeps MLX's)
+    attention = (cuda_attention._attention if mx.cuda.is_available()
+                 else cpu_attention._mlx_layers_attention)
+    kernels = {rewind_gated_delta.gated_delta_update.__code__, attention.__code__}
     mlx_lms = {gated_delta.gated_delta_update.__code__, base.scaled_dot_product_attention.__code__}
 
     def called(model) -> set:

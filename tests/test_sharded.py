@@ -34,7 +34,11 @@ def run_sharded(model: str, out: Path, layout: str = "tensor",
                 timeout: float = 600) -> dict[str, Any]:
     """The driver on two ranks; returns rank 0's results and every rank's cache stats."""
     launcher = Path(sys.executable).parent / "mlx.launch"
-    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port_run(2)), "--",
+    # the console script pip writes; an install without scripts (pip --target) runs its function
+    launch = [str(launcher)] if launcher.exists() else [
+        sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; "
+        "sys.argv[0] = 'mlx.launch'; sys.exit(main())"]
+    command = [*launch, "--backend", "ring", "-n", "2", "-p", str(free_port_run(2)), "--",
                sys.executable, str(DRIVER), model, str(out)]
     if layout == "pipeline":
         command.append("--pipeline")
