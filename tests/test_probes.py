@@ -27,7 +27,7 @@ def _env() -> dict[str, str]:
                                    "verify_cost", "decode_kernels", "decode_profile",
                                    "prefill_split", "new_shapes", "turn_latency",
                                    "cached_turn_profile", "sdpa_mask_cost", "matmul_fold",
-                                   "mlx_step_host_cost"])
+                                   "mlx_step_host_cost", "compiled_step"])
 def test_probe_starts(probe: str) -> None:
     done = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], env=_env(),
                           capture_output=True, text=True, timeout=120)
@@ -50,3 +50,14 @@ def test_bench_help_lists_the_workloads_and_points_at_the_probes() -> None:
                  "perplexity", "soak"):
         assert f"  {name} " in done.stdout
     assert "benchmarks/probes/" in done.stdout
+
+
+def test_the_compiled_step_gives_mlx_lms_tokens() -> None:
+    """The fixed-shape decode step the GPU measurements time (benchmarks/probes/compiled_step.py),
+    plain and compiled, decodes rows of mixed lengths to mlx-lm's greedy tokens (float32, tiny
+    Llama; --check fails otherwise)."""
+    done = subprocess.run([sys.executable, str(PROBES / "compiled_step.py"), "--check",
+                           "--batches", "1", "3", "--prompt-tokens", "40", "--steps", "12"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("same tokens") == 6, done.stdout

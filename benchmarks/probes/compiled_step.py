@@ -29,13 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-
-LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
-                intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=64, rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
-                tie_word_embeddings=True)
-TINY = dict(LLAMA_1B, hidden_size=256, num_hidden_layers=4, intermediate_size=512,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+# the same random shapes as MLX's minimal reproduction beside this file
+from mlx_step_host_cost import LLAMA_1B, TINY
 
 
 class FixedCache:
