@@ -78,6 +78,11 @@ CUDA_ATTENTION = Var("REWIND_CUDA_ATTENTION",
                      "off: on CUDA, a decode batch of rows of mixed lengths takes MLX's masked "
                      "attention instead of Rewind's kernel (rewind.kernels.cuda_attention)",
                      ("on", "off"))
+COMPILED_DECODE = Var("REWIND_COMPILED_DECODE",
+                      "on: a decode step of MLX's layers over full-attention caches is built once "
+                      "per batch shape and replayed (mx.compile; rewind.engine.compiled_decode). "
+                      "Off by default until measured in the engine on a GPU",
+                      ("on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
@@ -109,7 +114,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        FAST_GELU,
+                        COMPILED_DECODE, FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
@@ -152,6 +157,10 @@ def gated_delta_off() -> bool:
 
 def cuda_attention_off() -> bool:
     return CUDA_ATTENTION.get() == "off"
+
+
+def compiled_decode() -> bool:
+    return COMPILED_DECODE.get() == "on"
 
 
 def fast_gelu() -> bool:

@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from rewind.cache import linear_steps, window_blocks
 from rewind.cache.checkpoints import BLOCK_TOKENS, engine_chunk_tokens, prefill_plan
+from rewind.engine.compiled_decode import CompiledDecode
 from rewind.engine.positions import given_positions, takes_positions
 from rewind.engine.residuals import given_residuals
 from rewind.engine.segment import RowCaches, Segment
@@ -38,6 +39,7 @@ from rewind.kernels import gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.kernels.model_split import pipeline_stages, split_model
 from rewind.kernels.native_linear import rows_compute_alone
+from rewind.parallel.group import world
 
 
 class ModelRunner:
@@ -79,6 +81,12 @@ class ModelRunner:
         # Whether drafting rows' linear-attention layers are recorded so that they can give
         # tokens back (rewind.cache.linear_steps); set with `lone_rows`.
         self.linear_steps = False
+        # The decode batch's call built once per shape and replayed, on MLX's layers of a model
+        # that runs whole here (rewind.engine.compiled_decode; REWIND_COMPILED_DECODE=on).
+        self.compiled_decode: CompiledDecode | None = None
+        if self.layer_count is None and pipeline_stages(model) == 1 and world() is None:
+            split = split_model(model)
+            self.compiled_decode = CompiledDecode(model if split is None else split.backbone)
 
     def draft_alone(self) -> None:
         """Rows decoding alone keep their own caches from now on (the scheduler drafts), and
@@ -243,6 +251,10 @@ class ModelRunner:
             if segment.logit_positions > 1 and self.linear_steps:
                 # A drafting row: its linear-attention layers keep what giving back needs.
                 with linear_steps.recording(segment.cache):
+                    hidden[i] = self._one(split, segment)
+            elif self.compiled_decode is not None and self.compiled_decode.takes(segment):
+                hidden[i] = self.compiled_decode(segment)
+                if hidden[i] is None:  # the model's trace failed: the plain call
                     hidden[i] = self._one(split, segment)
             else:
                 hidden[i] = self._one(split, segment)

@@ -216,6 +216,11 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
 
     if (sinks is None and queries.shape[2] == 1 and not hasattr(cache, "bits")
             and not env.cuda_attention_off()):
+        if getattr(cache, "fixed_capacity", False) and _kernel_takes(queries, cache):
+            # a compiled decode step's view (rewind.engine.compiled_decode): the whole buffer,
+            # its length on the device
+            return decode_attention(queries, cache.keys, cache.values, cache.filled(),
+                                    cache.starts, scale)
         layout = _padded_layout(cache, keys, mask)
         if layout is not None and _kernel_takes(queries, cache):
             length, starts = layout

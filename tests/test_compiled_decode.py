@@ -1,0 +1,151 @@
+"""rewind.engine.compiled_decode: the decode batch's call built once per shape and replayed gives
+the answers of the plain call, on the path the server runs (the engine, its scheduler, its prompt
+cache), for rows of mixed lengths that join and leave, across a growth of the KV buffers, with
+and without pipelined decode. On the CPU it runs on MLX's own layers (REWIND_NATIVE=off); on a
+GPU on the backend's layers."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from rewind import env
+from rewind.config import EngineConfig
+from rewind.engine import Engine, GenerationRequest, SamplingParams
+from rewind.engine.compiled_decode import CompiledDecode, DecodeView
+from rewind.models.loader import load_model
+
+# float32 on every backend (tests/conftest.py); the compiled step may fuse elementwise chains
+# into other roundings, and its attention runs over the whole buffer under a mask
+LOGPROB_ATOL = 1e-4
+
+TEXTS = ("one two three",
+         "a longer prompt with quite a few more words in it than the first one has",
+         "the middle one, of some length",
+         "close to a rung of the ladder: " + "word " * 60)
+
+
+def _answers(loaded, config: EngineConfig, prompts: list[list[int]], max_tokens: int
+             ) -> tuple[list[list[tuple[int, float]]], int]:
+    """Every prompt's greedy tokens and log-probabilities, the first three submitted together
+    and the last once they are decoding (it joins the batch), then all again (prompt cache
+    hits); and how many steps went through the compiled call."""
+    steps = 0
+    original = CompiledDecode.__call__
+
+    def counted(self, segment):
+        nonlocal steps
+        out = original(self, segment)
+        steps += out is not None
+        return out
+
+    CompiledDecode.__call__ = counted
+    try:
+        with Engine(loaded, config) as engine:
+            no_eos = {int(t): -100.0 for t in engine.eos_token_ids}
+
+            def submit(prompt: list[int]):
+                return engine.submit(GenerationRequest(prompt, SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, logprobs=True, logit_bias=no_eos)))
+
+            answers = []
+            for _ in range(2):
+                streams = [submit(p) for p in prompts[:3]]
+                first = next(streams[0].events(300))  # the first rows decode before the last joins
+                streams.append(submit(prompts[3]))
+                results = [s.collect(300) for s in streams]
+                answers.append([(first.token, first.logprob),
+                                *zip(results[0].tokens, results[0].logprobs)])
+                answers += [list(zip(r.tokens, r.logprobs)) for r in results[1:]]
+    finally:
+        CompiledDecode.__call__ = original
+    return answers, steps
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_compiled_decode_gives_the_plain_calls_answers(tiny_model_path, pipelined: bool) -> None:
+    loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
+    prompts = [loaded.tokenizer.encode(text) for text in TEXTS]
+    # the last prompt's row crosses a rung of the capacity ladder (256) while it decodes
+    assert 150 < len(prompts[3]) < 256
+    max_tokens = 256 + 8 - len(prompts[3])
+    config = EngineConfig(parallel=4, pipeline_decode=pipelined, speculative="off")
+    with env.overridden({env.COMPILED_DECODE: "on"}):
+        compiled, steps = _answers(loaded, config, prompts, max_tokens)
+    with env.overridden({env.COMPILED_DECODE: "off"}):
+        plain, plain_steps = _answers(loaded, config, prompts, max_tokens)
+    assert steps > max_tokens and plain_steps == 0
+    for ours, theirs in zip(compiled, plain):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs],
+                                                       abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_caches_a_view_does_not_fit_take_the_plain_call(tiny_model_path, family: str) -> None:
+    """Sliding windows (Gemma 3) and linear attention (Qwen 3.5) keep their own caches: no step
+    goes through the compiled call."""
+    loaded = load_model(str(tiny_model_path(family)), native_forward="off")
+    prompts = [loaded.tokenizer.encode(text) for text in TEXTS]
+    with env.overridden({env.COMPILED_DECODE: "on"}):
+        _, steps = _answers(loaded, EngineConfig(parallel=4, speculative="off"), prompts, 6)
+    assert steps == 0
+
+
+def test_a_view_attends_to_each_rows_keys_and_writes_in_place() -> None:
+    keys = mx.zeros((2, 1, 8, 4))
+    view = DecodeView(keys, keys, mx.array([1, 3], mx.int32), mx.array([5], mx.int32))
+    assert view.offset.tolist() == [4, 2]  # each row's position of the new token
+    allowed = view.make_mask(1).reshape(2, 8).tolist()
+    assert allowed == [[False, True, True, True, True, True, False, False],
+                       [False, False, False, True, True, True, False, False]]
+    new_keys, _ = view.update_and_fetch(mx.ones((2, 1, 1, 4)), mx.ones((2, 1, 1, 4)))
+    assert new_keys.shape == (2, 1, 8, 4)
+    assert mx.sum(new_keys, axis=(1, 3)).tolist() == [[0, 0, 0, 0, 0, 4, 0, 0]] * 2
+    with pytest.raises(ValueError):
+        view.make_mask(1, window_size=4)
+    with pytest.raises(ValueError):
+        view.update_and_fetch(mx.ones((2, 1, 2, 4)), mx.ones((2, 1, 2, 4)))
+
+
+def test_on_cuda_a_views_attention_is_the_kernel_with_the_views_length(tiny_model_path,
+                                                                       monkeypatch) -> None:
+    """rewind.kernels.cuda_attention routes a view's attention to the decode kernel with the
+    whole buffers, the length after the step's key and each row's first key; here with the kernel
+    replaced by its definition (any backend), the logits of mlx-lm's masked batch step."""
+    import numpy as np
+    from mlx_lm.utils import load
+
+    from rewind.cache.kv import GrowingBatchKVCache, make_cache
+    from rewind.kernels import cuda_attention
+
+    calls: list[tuple[int, list[int]]] = []
+
+    def definition(queries, key_buffer, value_buffer, length, starts, scale):
+        length = int(length.item())
+        calls.append((length, starts.tolist()))
+        return mx.concatenate([mx.fast.scaled_dot_product_attention(
+            queries[b:b + 1], key_buffer[b:b + 1, :, start:length],
+            value_buffer[b:b + 1, :, start:length], scale=scale)
+            for b, start in enumerate(starts.tolist())])
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", definition)
+    routed, _ = load(str(tiny_model_path("llama")))
+    plain, _ = load(str(tiny_model_path("llama")))
+    assert cuda_attention.use_in_model(routed) > 0
+
+    def batch_of(model) -> list[GrowingBatchKVCache]:
+        rows = []
+        for prompt in ([5, 9, 13, 17, 21, 25, 29], [7, 11, 15]):
+            cache = make_cache(model)
+            mx.eval(model(mx.array([prompt]), cache=cache))
+            rows.append(cache)
+        return [GrowingBatchKVCache.merge([a, b]) for a, b in zip(*rows)]
+
+    tokens = mx.array([[40], [41]])
+    views = [DecodeView(c.keys, c.values, c.left_padding.astype(mx.int32),
+                        mx.array([c._idx], mx.int32)) for c in batch_of(routed)]
+    through_views = np.array(routed(tokens, cache=views))
+    masked = np.array(plain(tokens, cache=batch_of(plain)))
+    assert calls == [(8, [0, 4])] * len(routed.layers)
+    np.testing.assert_allclose(through_views, masked, atol=1e-4, rtol=1e-4)
