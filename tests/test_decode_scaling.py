@@ -160,3 +160,20 @@ def test_llama_cpp_part_needs_its_binary(tmp_path: Path) -> None:
     args = parser.parse_args(["--quick", "--parts", "llama-cpp", "--json", str(tmp_path / "o.json")])
     with pytest.raises(SystemExit, match="llama-batched-bench"):
         decode_scaling.run(args)
+
+
+def test_the_compiled_part_runs_the_compiled_step(tmp_path: Path, monkeypatch) -> None:
+    """--parts compiled times the same engine with REWIND_COMPILED_DECODE=on (on MLX's layers:
+    REWIND_NATIVE=off on the CPU), and its steps go through the compiled call."""
+    monkeypatch.setenv("REWIND_NATIVE", "off")
+    parser = argparse.ArgumentParser()
+    decode_scaling.register(parser)
+    args = parser.parse_args(["--quick", "--models", "llama-tiny", "--parts", "engine",
+                              "compiled", "--json", str(tmp_path / "out.json"),
+                              "--work-dir", str(tmp_path / "models")])
+    assert decode_scaling.run(args) == 0
+    entry = json.loads((tmp_path / "out.json").read_text())["models"]["llama-tiny"]
+    for parts in entry["rows"].values():
+        assert parts["compiled"]["tok_s"] > 0 and parts["engine"]["tok_s"] > 0
+    assert entry["engine_stats"]["compiled_decode_steps"] > 0
+    assert "compiled decode step" in (tmp_path / "out.md").read_text()

@@ -4,7 +4,7 @@
 # the served turn latencies of server processes in a row, which libmlx.so a clean virtual
 # environment ends with, and (PART=attention) the decode attention kernel against MLX's, then the
 # in-engine cached turn. Writes under $OUT.
-#   PART=shapes|turns|install|attention|host|compiled|sanitize|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
+#   PART=shapes|turns|install|attention|host|compiled|engine-compiled|sanitize|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
 set -u
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -46,6 +46,13 @@ if [ "$part" = compiled ]; then
   python3 benchmarks/probes/compiled_step.py --batches ${BATCHES:-1 8 32} \
     --json "$out/compiled-step.json" > "$out/compiled-step.txt" 2>&1
   tail -n 12 "$out/compiled-step.txt"
+fi
+if [ "$part" = engine-compiled ]; then
+  # the engine's decode step plain and compiled (REWIND_COMPILED_DECODE), each stream count
+  # side by side in one process, then over HTTP
+  python3 -m rewind bench decode-scaling --models ${MODELS:-llama-3.2-1b} --parts engine compiled \
+    ${COMMIT:+--commit $COMMIT} --json "$out/decode-scaling-compiled.json" > "$out/decode-scaling-compiled.txt" 2>&1
+  grep -E "^\|" "$out/decode-scaling-compiled.md" | head -n 8
 fi
 if [ "$part" = sanitize ]; then
   # compute-sanitizer's memcheck and racecheck on Rewind's attention kernel only (MLX's own

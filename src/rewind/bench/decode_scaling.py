@@ -69,8 +69,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128,
                         help="decode steps in each timed window")
     parser.add_argument("--parts", nargs="+", default=["engine", "greedy", "mlx-lm", "http"],
-                        choices=["engine", "greedy", "mlx-lm", "http", "kernels", "llama-cpp"],
+                        choices=["engine", "compiled", "greedy", "mlx-lm", "http", "kernels",
+                                 "llama-cpp"],
                         help="engine: Rewind's Engine, greedy with a logit bias against EOS; "
+                             "compiled: the same engine with REWIND_COMPILED_DECODE=on, each "
+                             "stream count right after the engine's (one process: these "
+                             "machines' host speed varies between processes); "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
                              "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py); "
@@ -151,8 +155,11 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     try:
         # Warm-up: every batch size's kernels compiled (and cuDNN graphs built) before timing.
         warm = max(streams)
-        if {"engine", "greedy"} & set(args.parts):
+        if {"engine", "compiled", "greedy"} & set(args.parts):
             run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
+        if "compiled" in args.parts:
+            with env.overridden({env.COMPILED_DECODE: "on"}):
+                run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
         if "mlx-lm" in args.parts:
             with env.overridden({env.GATED_DELTA: "off", env.CUDA_ATTENTION: "off"}):
                 run_mlx_lm(loaded.model, prompts(warm, 64), 8)
@@ -160,6 +167,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
             if "engine" in args.parts and not deadline.passed():
                 record("engine", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, bias))
+            if "compiled" in args.parts and not deadline.passed():
+                with env.overridden({env.COMPILED_DECODE: "on"}):
+                    record("compiled", count, run_engine(engine, prompts(count),
+                                                         args.decode_tokens, chunk_tokens, bias))
             if "greedy" in args.parts and not deadline.passed():
                 record("greedy", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, None))
@@ -173,7 +184,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         entry["engine_stats"] = {k: v for k, v in engine.stats().items()
                                  if k in ("generated_tokens", "prefilled_tokens",
                                           "cached_tokens", "mlx_peak_bytes", "steps",
-                                          "pipelined_steps")}
+                                          "pipelined_steps", "compiled_decode_steps")}
     finally:
         engine.shutdown()
     folder = loaded.path

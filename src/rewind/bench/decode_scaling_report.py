@@ -45,6 +45,9 @@ def markdown(report: dict[str, Any]) -> str:
                      if sizes.fixed_state_bytes else "") + ".", ""]
         header = ["streams", "Rewind engine (EOS bias)", "Rewind engine (plain greedy)",
                   "Rewind HTTP (openai client)", "mlx-lm BatchGenerator", "HBM bound"]
+        compiled = any("compiled" in parts for parts in entry["rows"].values())
+        if compiled:
+            header.insert(2, "Rewind engine, compiled decode step (EOS bias)")
         measured = any("llama.cpp" in parts for parts in entry["rows"].values())
         if measured:
             header.append("llama.cpp, F16, same weights (llama-batched-bench)")
@@ -59,6 +62,8 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [count, _cell(parts.get("engine")), _cell(parts.get("greedy")),
                      _cell(parts.get("http")), _cell(parts.get("mlx-lm")),
                      f"{bound:,.0f} (at {context:.0f} tokens)"]
+            if compiled:
+                cells.insert(2, _cell(parts.get("compiled")))
             if measured:
                 cells.append(_cell(parts.get("llama.cpp")))
             elif name.startswith("llama"):

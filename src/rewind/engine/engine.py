@@ -381,6 +381,9 @@ class Engine:
             "requests_finished": counters.requests_finished,
             "steps": counters.steps,
             "pipelined_steps": counters.pipelined_steps,
+            # decode steps through the compiled call (rewind.engine.compiled_decode)
+            "compiled_decode_steps": (0 if self.runner.compiled_decode is None
+                                      else self.runner.compiled_decode.steps),
             "finish_reasons": dict(counters.finish_reasons),
             "prompt_tokens": counters.prompt_tokens,
             "prefilled_tokens": counters.prefilled_tokens,
