@@ -16,19 +16,28 @@ length from the device (rewind.kernels.cuda_attention); elsewhere MLX's attentio
 view's mask over the whole buffer. The buffers are written in place: the step owns them while it
 runs (the caches hold none), so MLX donates them to its writes instead of copying them.
 
+Linear-attention layers (Qwen 3.5) keep mlx-lm's ArraysCache, whose conv window and recurrent
+state have fixed shapes already: the step takes and returns them. Rewind's gated-delta kernel
+runs inside the trace on CUDA; the CPU's computes on the host, so a trace there takes mlx-lm's
+ops for the recurrence (rewind.kernels.gated_delta.tracing) and every other call keeps the
+kernel.
+
 What it takes: a decode step (one token a row, the last position's logits, no per-call model
-state), caches that are all GrowingBatchKVCache (full attention; no sliding window, linear
-attention or quantized cache), a buffer with room for the step's key, a model that runs whole
-in this process. Anything else, and any model whose trace fails, runs the plain call.
-REWIND_COMPILED_DECODE=on turns it on (off by default until measured in the engine on a GPU).
+state), caches that are GrowingBatchKVCache (full attention, one length) or unpadded
+ArraysCache (no sliding window, quantized cache or cache list), a buffer with room for the
+step's key, a model that runs whole in this process. Anything else, and any model whose trace
+fails, runs the plain call. REWIND_COMPILED_DECODE=on turns it on (off by default until
+measured in the engine on a GPU).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from rewind import env
 from rewind.cache.kv import GrowingBatchKVCache
@@ -83,54 +92,114 @@ class CompiledDecode:
         # forward(tokens, cache=...) -> hidden states or logits [B, 1, ...]: the model's
         # backbone where the runner splits off the head, else the whole model
         self._forward = forward
-        self._compiled = mx.compile(self._step)
+        # one compiled function per layout (which layers are KV views, how many arrays the
+        # others hold): a model has one; MLX keeps a trace per input shape under each
+        self._compiled: dict[Layout, Any] = {}
         self.failed: str | None = None  # why the trace failed: the plain call from then on
         self.steps = 0  # steps run through it (tests, metrics)
 
-    def _step(self, tokens: mx.array, starts: mx.array, length: mx.array,
-              *buffers: mx.array) -> list[mx.array]:
-        views = [DecodeView(buffers[i], buffers[i + 1], starts, length)
-                 for i in range(0, len(buffers), 2)]
-        out = self._forward(tokens, cache=views)
-        return [out, *(b for view in views for b in (view.keys, view.values))]
+    def _step(self, layout: Layout, tokens: mx.array, starts: mx.array, length: mx.array,
+              *arrays: mx.array) -> list[mx.array]:
+        caches: list[Any] = []
+        at = 0
+        for count in layout:
+            if count == _KV:
+                caches.append(DecodeView(arrays[at], arrays[at + 1], starts, length))
+                at += 2
+            else:  # linear attention's state: mlx-lm's own class, fixed-shape already
+                layer = ArraysCache(count)
+                layer.cache = list(arrays[at:at + count])
+                caches.append(layer)
+                at += count
+        out = self._forward(tokens, cache=caches)
+        return [out, *(a for layer in caches for a in _arrays_of(layer))]
 
-    def takes(self, segment: Segment) -> bool:
-        if self.failed is not None or not env.compiled_decode():
-            return False
+    def _layout(self, segment: Segment) -> Layout | None:
+        """Each layer's kind where every layer can be seen at a fixed shape, else None."""
         cache = segment.cache
         if (segment.tokens.ndim != 2 or segment.tokens.shape[1] != 1
                 or segment.logit_positions != 1 or segment.embeds is not None
                 or not segment.plain or segment.stop is not None or segment.carry is not None
                 or isinstance(cache, RowCaches) or not cache):
-            return False
-        held = getattr(cache[0], "_idx", None)
-        return all(type(layer) is GrowingBatchKVCache and layer.keys is not None
-                   and layer.values is not None and layer._idx == held
-                   and held < layer.keys.shape[2] and layer.keys.shape[0] == segment.tokens.shape[0]
-                   and getattr(layer, "lengths", None) is None
-                   for layer in cache)
+            return None
+        rows = segment.tokens.shape[0]
+        held = {layer._idx for layer in cache if type(layer) is GrowingBatchKVCache}
+        if len(held) != 1:  # no full-attention layer, or layers of different lengths
+            return None
+        layout: list[int] = []
+        for layer in cache:
+            if type(layer) is GrowingBatchKVCache:
+                if (layer.keys is None or layer.values is None or layer._idx >= layer.keys.shape[2]
+                        or layer.keys.shape[0] != rows
+                        or getattr(layer, "lengths", None) is not None):
+                    return None
+                layout.append(_KV)
+            elif type(layer) is ArraysCache:
+                if (layer.lengths is not None or layer.left_padding is not None
+                        or any(a is None or a.shape[0] != rows for a in layer.cache)):
+                    return None
+                layout.append(len(layer.cache))
+            else:
+                return None
+        return tuple(layout)
+
+    def takes(self, segment: Segment) -> bool:
+        return (self.failed is None and env.compiled_decode()
+                and self._layout(segment) is not None)
 
     def __call__(self, segment: Segment) -> mx.array | None:
-        """The segment's output [B, 1, ...] with its caches one key longer; None when the trace
-        failed (nothing changed; the caller runs the plain call)."""
+        """The segment's output [B, 1, ...] with its caches one step further; None when the
+        trace failed (nothing changed; the caller runs the plain call)."""
+        layout = self._layout(segment)
+        if layout is None:
+            raise ValueError("this segment is not a fixed-shape decode step (see takes)")
         cache = segment.cache
-        starts = cache[0].left_padding.astype(mx.int32)
-        length = mx.array([cache[0]._idx], mx.int32)
-        buffers = [b for layer in cache for b in (layer.keys, layer.values)]
+        full = next(layer for layer in cache if type(layer) is GrowingBatchKVCache)
+        starts = full.left_padding.astype(mx.int32)
+        length = mx.array([full._idx], mx.int32)
+        arrays = [a for layer in cache for a in _arrays_of(layer)]
         for layer in cache:  # the step owns the buffers: MLX writes them in place
-            layer.keys = layer.values = None
+            _set_arrays(layer, [None] * len(_arrays_of(layer)))
+        compiled = self._compiled.get(layout)
+        if compiled is None:
+            compiled = self._compiled[layout] = mx.compile(functools.partial(self._step, layout))
         try:
-            out = self._compiled(segment.tokens, starts, length, *buffers)
-        except Exception as exc:  # noqa: BLE001 - a model the view does not fit: plain calls
-            for index, layer in enumerate(cache):
-                layer.keys, layer.values = buffers[2 * index], buffers[2 * index + 1]
+            out = compiled(segment.tokens, starts, length, *arrays)
+        except Exception as exc:  # noqa: BLE001 - a model the views do not fit: plain calls
+            _put_back(cache, arrays)
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("compiled decode off for this model: %s", self.failed)
             return None
-        buffers.clear()
-        for index, layer in enumerate(cache):
-            layer.keys, layer.values = out[1 + 2 * index], out[2 + 2 * index]
-            layer._idx += 1
-            layer.offset = layer.offset + 1
+        arrays.clear()
+        _put_back(cache, out[1:])
+        for layer in cache:
+            if type(layer) is GrowingBatchKVCache:
+                layer._idx += 1
+                layer.offset = layer.offset + 1
         self.steps += 1
         return out[0]
+
+
+Layout = tuple[int, ...]  # per layer: _KV, or how many arrays an ArraysCache holds
+_KV = -1
+
+
+def _arrays_of(layer: Any) -> list[Any]:
+    if isinstance(layer, (DecodeView, GrowingBatchKVCache)):
+        return [layer.keys, layer.values]
+    return list(layer.cache)
+
+
+def _set_arrays(layer: Any, arrays: list[Any]) -> None:
+    if isinstance(layer, GrowingBatchKVCache):
+        layer.keys, layer.values = arrays
+    else:
+        layer.cache = list(arrays)
+
+
+def _put_back(cache: list[Any], arrays: list[Any]) -> None:
+    at = 0
+    for layer in cache:
+        count = 2 if isinstance(layer, GrowingBatchKVCache) else len(layer.cache)
+        _set_arrays(layer, arrays[at:at + count])
+        at += count

@@ -41,6 +41,12 @@ def observe(observer: Observer | None) -> None:
     _observer = observer
 
 
+def tracing(exc: BaseException) -> bool:
+    """Whether `exc` is MLX refusing to evaluate inside a function transformation (mx.compile):
+    the call cannot run there, which says nothing about the kernel."""
+    return "function transformations" in str(exc)
+
+
 def _recurrence(q: mx.array) -> tuple[str, Callable[..., tuple[mx.array, mx.array]]] | None:
     if env.gated_delta_off():
         return None
@@ -82,16 +88,22 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
             batch, _, _, key_dim = q.shape
             value_heads, value_dim = v.shape[-2:]
             state = mx.zeros((batch, value_heads, value_dim, key_dim), dtype=mx.float32)
+        result = None
         try:
             result = recurrence(q, k, v, g, beta, state, mask)
             if name not in _checked:
                 mx.eval(result)
                 _checked.add(name)
             return result
-        except (RuntimeError, ValueError) as exc:  # e.g. the CUDA compiler refusing the source
-            _failed.add(name)
-            log.warning("gated delta: Rewind's %s kernel failed (%s); using mlx-lm's path", name,
-                        exc)
+        except (RuntimeError, ValueError) as exc:
+            if not tracing(exc):  # e.g. the CUDA compiler refusing the source
+                _failed.add(name)
+                log.warning("gated delta: Rewind's %s kernel failed (%s); using mlx-lm's path",
+                            name, exc)
+            elif result is not None:  # traced (mx.compile) before its first check: kept
+                return result
+            # else a kernel that computes on the host, inside mx.compile (rewind.engine
+            # .compiled_decode): mlx-lm's ops for this trace, the kernel on for every other call
     return mlx_gated_delta.gated_delta_update(
         q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
         lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
