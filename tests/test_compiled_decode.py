@@ -154,3 +154,36 @@ def test_on_cuda_a_views_attention_is_the_kernel_with_the_views_length(tiny_mode
     masked = np.array(plain(tokens, cache=batch_of(plain)))
     assert calls == [(8, [0, 4])] * len(routed.layers)
     np.testing.assert_allclose(through_views, masked, atol=1e-4, rtol=1e-4)
+
+
+def test_a_layer_that_scores_keys_itself_takes_the_plain_call(tiny_model_path) -> None:
+    """A family whose attention does not go through scaled_dot_product_attention would read a
+    view's whole buffer (OLMo adds the mask to its scores): a model with such a layer keeps the
+    plain call, and its answers."""
+    from mlx_lm.models import llama
+
+    class OwnScores(llama.Attention):
+        def __call__(self, x, mask=None, cache=None):
+            batch, length, _ = x.shape
+            queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
+            keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            queries = self.rope(queries, offset=cache.offset)
+            keys, values = cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
+            repeats = self.n_heads // self.n_kv_heads
+            keys, values = mx.repeat(keys, repeats, axis=1), mx.repeat(values, repeats, axis=1)
+            scores = (queries * self.scale) @ keys.transpose(0, 1, 3, 2)
+            if isinstance(mask, mx.array):
+                scores = mx.where(mask, scores, -mx.inf)
+            elif mask == "causal":
+                scores = scores + mx.triu(mx.full((length, keys.shape[2]), -mx.inf),
+                                          k=keys.shape[2] - length + 1)
+            out = mx.softmax(scores, axis=-1) @ values
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
+    loaded.model.layers[1].self_attn.__class__ = OwnScores
+    prompts = [loaded.tokenizer.encode(text) for text in TEXTS]
+    with env.overridden({env.COMPILED_DECODE: "on"}):
+        _, steps = _answers(loaded, EngineConfig(parallel=4, speculative="off"), prompts, 6)
+    assert steps == 0

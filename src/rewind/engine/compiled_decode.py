@@ -26,14 +26,28 @@ What it takes: a decode step (one token a row, the last position's logits, no pe
 state), caches that are GrowingBatchKVCache (full attention, one length) or unpadded
 ArraysCache (no sliding window, quantized cache or cache list), a buffer with room for the
 step's key, a model that runs whole in this process. Anything else, and any model whose trace
-fails, runs the plain call. REWIND_COMPILED_DECODE=on turns it on (off by default until
-measured in the engine on a GPU).
+fails, runs the plain call; so does a model with a full-attention layer that scores keys
+itself instead of through scaled_dot_product_attention (it would read the buffer's spare slots).
+REWIND_COMPILED_DECODE=on turns it on (off by default until measured in the engine on a GPU;
+on the CPU it runs MLX's attention and recurrence where the plain call runs the C kernels, and
+one stream of a Qwen 3.5 0.8B shape took as long either way within the machine's spread:
+benchmarks/results/compiled-decode-cpu-qwen35-xeon.md).
+
+Costs to know: a new row count or capacity is traced once (a step's Python build, inside a
+serving step; rows are not bucketed), MLX keeps every trace while the runner lives, and
+settings read inside the step (REWIND_CUDA_ATTENTION, REWIND_GATED_DELTA) take effect for
+shapes traced after they change. On CUDA a view's attention is always Rewind's kernel, one
+block per row and key-value head, where the plain call gives a lone unpadded row to MLX's fused
+attention; a long context with few rows and few key-value heads may run slower there (not yet
+measured).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import types
 from typing import Any
 
 import mlx.core as mx
@@ -92,6 +106,10 @@ class CompiledDecode:
         # forward(tokens, cache=...) -> hidden states or logits [B, 1, ...]: the model's
         # backbone where the runner splits off the head, else the whole model
         self._forward = forward
+        # Decided at the first step asked for: how many of the model's modules attend through
+        # mlx-lm's scaled_dot_product_attention, and whether the model runs whole here.
+        self._attention_modules: int | None = None
+        self._alone: bool | None = None
         # one compiled function per layout (which layers are KV views, how many arrays the
         # others hold): a model has one; MLX keeps a trace per input shape under each
         self._compiled: dict[Layout, Any] = {}
@@ -144,8 +162,19 @@ class CompiledDecode:
         return tuple(layout)
 
     def takes(self, segment: Segment) -> bool:
-        return (self.failed is None and env.compiled_decode()
-                and self._layout(segment) is not None)
+        if self.failed is not None or not env.compiled_decode():
+            return False
+        if self._alone is None:
+            from rewind.parallel.group import world
+
+            self._alone = world() is None  # a sharded model's collectives stay out of traces
+            self._attention_modules = _attention_modules(self._forward)
+        layout = self._layout(segment) if self._alone else None
+        # Every full-attention layer's attention must come through the function the views are
+        # made for (mlx-lm's scaled_dot_product_attention: the whole buffer under the view's
+        # mask, or Rewind's kernel). A family that scores keys itself (OLMo adds the mask to
+        # its scores; phi3small counts keys from the buffer) would read the view's spare slots.
+        return layout is not None and layout.count(_KV) == self._attention_modules
 
     def __call__(self, segment: Segment) -> mx.array | None:
         """The segment's output [B, 1, ...] with its caches one step further; None when the
@@ -182,6 +211,21 @@ class CompiledDecode:
 
 Layout = tuple[int, ...]  # per layer: _KV, or how many arrays an ArraysCache holds
 _KV = -1
+_ATTENTION = "scaled_dot_product_attention"
+
+
+def _attention_modules(model: Any) -> int:
+    """How many modules of `model` have a method, as their class resolves it, that calls the
+    module-global scaled_dot_product_attention (mlx-lm's attention layers import it from
+    models.base; Rewind's routing wraps such a method, functools.wraps keeps it reachable)."""
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        methods = (inspect.unwrap(inspect.getattr_static(cls, name)) for name in dir(cls))
+        if any(isinstance(f, types.FunctionType) and _ATTENTION in f.__code__.co_names
+               for f in methods):
+            count += 1
+    return count
 
 
 def _arrays_of(layer: Any) -> list[Any]:

@@ -39,7 +39,6 @@ from rewind.kernels import gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.kernels.model_split import pipeline_stages, split_model
 from rewind.kernels.native_linear import rows_compute_alone
-from rewind.parallel.group import world
 
 
 class ModelRunner:
@@ -84,7 +83,7 @@ class ModelRunner:
         # The decode batch's call built once per shape and replayed, on MLX's layers of a model
         # that runs whole here (rewind.engine.compiled_decode; REWIND_COMPILED_DECODE=on).
         self.compiled_decode: CompiledDecode | None = None
-        if self.layer_count is None and pipeline_stages(model) == 1 and world() is None:
+        if self.layer_count is None and pipeline_stages(model) == 1:
             split = split_model(model)
             self.compiled_decode = CompiledDecode(model if split is None else split.backbone)
 
