@@ -42,14 +42,19 @@ def test_stagger_covers_one_chunk_per_step() -> None:
     assert stagger_tokens(32, 1024, 256) == 32 * 4 + 8
 
 
-def test_quick_run_writes_rows(tmp_path: Path) -> None:
+def _quick_run(tmp_path: Path, *parts: str) -> dict:
+    """`rewind bench decode-scaling --quick` on the tiny Llama with these parts: its report."""
     parser = argparse.ArgumentParser()
     decode_scaling.register(parser)
-    args = parser.parse_args(["--quick", "--models", "llama-tiny", "--parts", "engine",
-                              "mlx-lm", "--json", str(tmp_path / "out.json"),
+    args = parser.parse_args(["--quick", "--models", "llama-tiny", "--parts", *parts,
+                              "--json", str(tmp_path / "out.json"),
                               "--work-dir", str(tmp_path / "models")])
     assert decode_scaling.run(args) == 0
-    report = json.loads((tmp_path / "out.json").read_text())
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_quick_run_writes_rows(tmp_path: Path) -> None:
+    report = _quick_run(tmp_path, "engine", "mlx-lm")
     rows = report["models"]["llama-tiny"]["rows"]
     assert set(rows) == {"1", "3"}
     for parts in rows.values():
@@ -166,13 +171,7 @@ def test_the_compiled_part_runs_the_compiled_step(tmp_path: Path, monkeypatch) -
     """--parts compiled times the same engine with REWIND_COMPILED_DECODE=on (on MLX's layers:
     REWIND_NATIVE=off on the CPU), and its steps go through the compiled call."""
     monkeypatch.setenv("REWIND_NATIVE", "off")
-    parser = argparse.ArgumentParser()
-    decode_scaling.register(parser)
-    args = parser.parse_args(["--quick", "--models", "llama-tiny", "--parts", "engine",
-                              "compiled", "--json", str(tmp_path / "out.json"),
-                              "--work-dir", str(tmp_path / "models")])
-    assert decode_scaling.run(args) == 0
-    entry = json.loads((tmp_path / "out.json").read_text())["models"]["llama-tiny"]
+    entry = _quick_run(tmp_path, "engine", "compiled")["models"]["llama-tiny"]
     for parts in entry["rows"].values():
         assert parts["compiled"]["tok_s"] > 0 and parts["engine"]["tok_s"] > 0
     assert entry["engine_stats"]["compiled_decode_steps"] > 0
