@@ -187,3 +187,34 @@ def test_a_layer_that_scores_keys_itself_takes_the_plain_call(tiny_model_path) -
     with env.overridden({env.COMPILED_DECODE: "on"}):
         _, steps = _answers(loaded, EngineConfig(parallel=4, speculative="off"), prompts, 6)
     assert steps == 0
+
+
+def test_the_step_writes_the_kv_buffers_in_place(tiny_model_path) -> None:
+    """The caches hand their buffers to the step, so MLX writes the new keys into them instead
+    of copying every buffer each step: peak memory over a few steps stays far under the
+    buffers' size."""
+    from rewind.cache.kv import GrowingBatchKVCache, make_cache
+    from rewind.engine.segment import Segment
+    from rewind.kernels.model_split import split_model
+
+    model = load_model(str(tiny_model_path("llama")), native_forward="off").model
+    rows = []
+    for length in (3000, 2900):
+        cache = make_cache(model)
+        mx.eval(model(mx.array([[5] * length]), cache=cache))
+        rows.append(cache)
+    batch = [GrowingBatchKVCache.merge(pair) for pair in zip(*rows)]
+    mx.eval([(layer.keys, layer.values) for layer in batch])
+    del rows
+    buffers = sum(layer.keys.nbytes + layer.values.nbytes for layer in batch)
+    step = CompiledDecode(split_model(model).backbone)
+    segment = Segment(mx.array([[7], [8]]), batch, logits=True)
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()  # the weights and these buffers
+    with env.overridden({env.COMPILED_DECODE: "on"}):
+        for _ in range(6):
+            assert step.takes(segment)
+            mx.eval(step(segment), [layer.state for layer in batch])
+    assert step.steps == 6 and batch[0]._idx == 3006
+    # a copy a step would hold a second set of buffers at some point
+    assert mx.get_peak_memory() - active < buffers / 4
