@@ -218,3 +218,20 @@ def test_the_step_writes_the_kv_buffers_in_place(tiny_model_path) -> None:
     assert step.steps == 6 and batch[0]._idx == 3006
     # a copy a step would hold a second set of buffers at some point
     assert mx.get_peak_memory() - active < buffers / 4
+
+
+def test_an_unloaded_model_is_freed_after_compiled_steps(tiny_model_path) -> None:
+    """The compiled steps' traces hold the model's weights: once its engine is gone, nothing
+    keeps them (the traces go with the runner)."""
+    import gc
+    import weakref
+
+    loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
+    prompts = [loaded.tokenizer.encode(text) for text in TEXTS]
+    with env.overridden({env.COMPILED_DECODE: "on"}):
+        _, steps = _answers(loaded, EngineConfig(parallel=4, speculative="off"), prompts, 6)
+    assert steps > 0
+    model = weakref.ref(loaded.model)
+    del loaded
+    gc.collect()
+    assert model() is None

@@ -116,8 +116,9 @@ class CompiledDecode:
         self.failed: str | None = None  # why the trace failed: the plain call from then on
         self.steps = 0  # steps run through it (tests, metrics)
 
-    def _step(self, layout: Layout, tokens: mx.array, starts: mx.array, length: mx.array,
-              *arrays: mx.array) -> list[mx.array]:
+    @staticmethod
+    def _step(forward: Any, layout: Layout, tokens: mx.array, starts: mx.array,
+              length: mx.array, *arrays: mx.array) -> list[mx.array]:
         caches: list[Any] = []
         at = 0
         for count in layout:
@@ -129,7 +130,7 @@ class CompiledDecode:
                 layer.cache = list(arrays[at:at + count])
                 caches.append(layer)
                 at += count
-        out = self._forward(tokens, cache=caches)
+        out = forward(tokens, cache=caches)
         return [out, *(a for layer in caches for a in _arrays_of(layer))]
 
     def _layout(self, segment: Segment) -> Layout | None:
@@ -191,7 +192,10 @@ class CompiledDecode:
             _set_arrays(layer, [None] * len(_arrays_of(layer)))
         compiled = self._compiled.get(layout)
         if compiled is None:
-            compiled = self._compiled[layout] = mx.compile(functools.partial(self._step, layout))
+            # the traced function holds the model's forward, not this object (no reference
+            # cycle through MLX's compiled function to rely on the collector for)
+            compiled = self._compiled[layout] = mx.compile(
+                functools.partial(CompiledDecode._step, self._forward, layout))
         try:
             out = compiled(segment.tokens, starts, length, *arrays)
         except Exception as exc:  # noqa: BLE001 - a model the views do not fit: plain calls
