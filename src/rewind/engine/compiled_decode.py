@@ -166,9 +166,10 @@ class CompiledDecode:
         if self.failed is not None or not env.compiled_decode():
             return False
         if self._alone is None:
-            from rewind.parallel.group import world
-
-            self._alone = world() is None  # a sharded model's collectives stay out of traces
+            # a sharded model's collectives stay out of traces (the engine does not import
+            # rewind.parallel, which sits above it: MLX's group asked directly)
+            self._alone = (not mx.distributed.is_available()
+                           or mx.distributed.init().size() == 1)
             self._attention_modules = _attention_modules(self._forward)
         layout = self._layout(segment) if self._alone else None
         # Every full-attention layer's attention must come through the function the views are
