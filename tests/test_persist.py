@@ -300,6 +300,9 @@ def test_two_servers_on_one_folder(tiny_model_path, tmp_path, expected, caplog):
     assert any("owned by another Rewind process" in r.getMessage() for r in caplog.records)
 
 
+# On demand (pytest --on-demand; 27 s) since CI neared its 20 minutes: tests/test_kill.py's
+# kill -9 while streaming and writing, and its SIGKILL restart, cover the same store in small.
+@pytest.mark.on_demand
 def test_kill_9_during_a_burst_of_writes_then_restart(tiny_model_path, tmp_path):
     from rewind.bench.harness import ServerProcess, free_port
 
