@@ -165,9 +165,12 @@ def test_a_layer_that_scores_keys_itself_takes_the_plain_call(tiny_model_path) -
     class OwnScores(llama.Attention):
         def __call__(self, x, mask=None, cache=None):
             batch, length, _ = x.shape
-            queries = self.q_proj(x).reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
-            keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            def heads(projected, count):
+                return projected.reshape(batch, length, count, -1).transpose(0, 2, 1, 3)
+
+            queries = heads(self.q_proj(x), self.n_heads)
+            keys = heads(self.k_proj(x), self.n_kv_heads)
+            values = heads(self.v_proj(x), self.n_kv_heads)
             queries = self.rope(queries, offset=cache.offset)
             keys, values = cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
             repeats = self.n_heads // self.n_kv_heads

@@ -12,9 +12,9 @@ thread block per (row, key-value head), WARPS warps: warp w takes the row's keys
 ... counted from the row's first key, reads each key and value once for all the query heads of
 its group (four for Llama-3.2-1B: the kernel per query head read them four times, 2.1 ms of a
 32-stream step's 3.76 ms of GPU time on an H100), keeps an online softmax per query head, and
-the warps' partial sums are combined in a fixed order. A row's result therefore does not depend on its padding or on the
-other rows of the batch. Each lane holds D / 32 elements of the query, of the output, and of
-each key and value it reads (D a multiple of 32, up to 256).
+the warps' partial sums are combined in a fixed order. A row's result therefore does not
+depend on its padding or on the other rows of the batch. Each lane holds D / 32 elements of
+the query, of the output, and of each key and value it reads (D a multiple of 32, up to 256).
 
 What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
 [B, Hkv, capacity, D] buffer each of the queries' dtype, Hq a multiple of Hkv, no sinks, no
@@ -70,7 +70,10 @@ _SOURCE = """
       float vt[PER];
       const InT* k_at = k_head + (size_t)t * D;
       const InT* v_at = v_head + (size_t)t * D;
-      for (int i = 0; i < PER; ++i) { kt[i] = static_cast<float>(k_at[i]); vt[i] = static_cast<float>(v_at[i]); }
+      for (int i = 0; i < PER; ++i) {
+        kt[i] = static_cast<float>(k_at[i]);
+        vt[i] = static_cast<float>(v_at[i]);
+      }
       for (int g = 0; g < GROUP; ++g) {
         float s = 0.0f;
         for (int i = 0; i < PER; ++i) s += qr[g][i] * kt[i];
