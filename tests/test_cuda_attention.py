@@ -84,6 +84,8 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         cuda_attention.decode_attention(q, kv, kv, 17, starts, 0.1)
     with pytest.raises(ValueError, match="one element"):
         cuda_attention.decode_attention(q, kv, kv, mx.array([8, 9]), starts, 0.1)
+    with pytest.raises(ValueError, match="keys_per_span"):
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, keys_per_span=20)
     with pytest.raises(ValueError, match="shared memory"):  # 16 query heads of 256 per group
         cuda_attention.decode_attention(mx.zeros((2, 16, 1, 256)), mx.zeros((2, 1, 16, 256)),
                                         mx.zeros((2, 1, 16, 256)), 8, starts, 0.1)
@@ -110,13 +112,18 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
     expected = mx.fast.scaled_dot_product_attention(
         q.astype(mx.float32), k[..., :length, :].astype(mx.float32),
         v[..., :length, :].astype(mx.float32), scale=scale, mask=mask)
-    got = cuda_attention.decode_attention(q, k, v, length, starts, scale)
-    assert got.shape == q.shape and got.dtype == mx.bfloat16
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected),
-                               atol=2e-2, rtol=2e-2)
-    # the length as an array on the device (a compiled step's), the same bits
-    from_array = cuda_attention.decode_attention(q, k, v, mx.array([length]), starts, scale)
-    assert np.array_equal(np.array(from_array.astype(mx.float32)), np.array(got.astype(mx.float32)))
+    # 600 keys: one block per (row, key-value head), 2 spans of 512 and a combine, 10 of 64
+    for keys_per_span in (1 << 20, cuda_attention.KEYS_PER_SPAN, 64):
+        got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span)
+        assert got.shape == q.shape and got.dtype == mx.bfloat16
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected),
+                                   atol=2e-2, rtol=2e-2)
+        # the length as an array on the device (a compiled step's; spans for the whole
+        # buffer, the last ones empty), the same bits
+        from_array = cuda_attention.decode_attention(q, k, v, mx.array([length]), starts, scale,
+                                                     keys_per_span)
+        assert np.array_equal(np.array(from_array.astype(mx.float32)),
+                              np.array(got.astype(mx.float32)))
 
 
 @cuda
@@ -125,30 +132,36 @@ def test_a_length_past_the_buffer_reads_only_the_buffer() -> None:
     q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
     k = mx.array(rng.standard_normal((2, 2, 96, 64)).astype(np.float32)).astype(mx.bfloat16)
     starts = mx.array([0, 10], mx.int32)
-    whole = cuda_attention.decode_attention(q, k, k, 96, starts, 0.125)
-    past = cuda_attention.decode_attention(q, k, k, mx.array([10_000]), starts, 0.125)
-    assert np.array_equal(np.array(past.astype(mx.float32)), np.array(whole.astype(mx.float32)))
+    for keys_per_span in (1 << 20, 32):
+        whole = cuda_attention.decode_attention(q, k, k, 96, starts, 0.125, keys_per_span)
+        past = cuda_attention.decode_attention(q, k, k, mx.array([10_000]), starts, 0.125,
+                                               keys_per_span)
+        assert np.array_equal(np.array(past.astype(mx.float32)),
+                              np.array(whole.astype(mx.float32)))
 
 
 @cuda
-def test_a_rows_bits_do_not_depend_on_its_padding_or_neighbours() -> None:
+@pytest.mark.parametrize("keys_per_span", [1 << 20, 512, 64])
+def test_a_rows_bits_do_not_depend_on_its_padding_or_neighbours(keys_per_span: int) -> None:
+    """Also across the one-block and the spanned kernel: alone, the row's 300 keys fit one span
+    of 512; in a batch of 640 keys the spans and the combine run."""
     rng = np.random.default_rng(1)
     own_k = rng.standard_normal((1, 2, 300, 64)).astype(np.float32)
     own_v = rng.standard_normal((1, 2, 300, 64)).astype(np.float32)
     q = mx.array(rng.standard_normal((1, 8, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
     alone = cuda_attention.decode_attention(
         q, mx.array(own_k).astype(mx.bfloat16), mx.array(own_v).astype(mx.bfloat16), 300,
-        mx.array([0]), 0.125)
-    padding = 133
-    k = np.zeros((3, 2, 512, 64), np.float32)
-    v = np.zeros((3, 2, 512, 64), np.float32)
+        mx.array([0]), 0.125, keys_per_span)
+    padding = 340
+    k = np.zeros((3, 2, 640, 64), np.float32)
+    v = np.zeros((3, 2, 640, 64), np.float32)
     k[1, :, padding:padding + 300], v[1, :, padding:padding + 300] = own_k[0], own_v[0]
-    k[0], v[0] = rng.standard_normal((2, 512, 64)), rng.standard_normal((2, 512, 64))
-    k[2], v[2] = rng.standard_normal((2, 512, 64)), rng.standard_normal((2, 512, 64))
+    k[0], v[0] = rng.standard_normal((2, 640, 64)), rng.standard_normal((2, 640, 64))
+    k[2], v[2] = rng.standard_normal((2, 640, 64)), rng.standard_normal((2, 640, 64))
     queries = mx.concatenate([q * 2, q, q * 3])
     batched = cuda_attention.decode_attention(
         queries, mx.array(k).astype(mx.bfloat16), mx.array(v).astype(mx.bfloat16),
-        padding + 300, mx.array([0, padding, 50]), 0.125)
+        padding + 300, mx.array([0, padding, 50]), 0.125, keys_per_span)
     assert np.array_equal(np.array(batched[1:2].astype(mx.float32)),
                           np.array(alone.astype(mx.float32)))
 

@@ -35,11 +35,15 @@ def main() -> None:
 
     rows = []
     for heads, kv_heads, dim in ((32, 8, 64), (8, 2, 256)):
-        for batch, length in ((1, 1152), (8, 1152), (32, 1152), (32, 4096)):
+        # the last three: long contexts with few rows, where one block per (row, key-value
+        # head) leaves most of the GPU idle
+        for batch, length in ((1, 1152), (8, 1152), (32, 1152), (32, 4096),
+                              (1, 8192), (1, 32768), (4, 16384)):
             q = mx.random.normal((batch, heads, 1, dim)).astype(mx.bfloat16)
             k = mx.random.normal((batch, kv_heads, length, dim)).astype(mx.bfloat16)
             v = mx.random.normal((batch, kv_heads, length, dim)).astype(mx.bfloat16)
             starts = mx.array([(37 * i) % 200 for i in range(batch)], mx.int32)
+            unpadded = mx.zeros((batch,), mx.int32)
             mask = mx.arange(length)[None, None, None, :] >= starts[:, None, None, None]
             scale = dim ** -0.5
             masked_fn = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
@@ -51,6 +55,14 @@ def main() -> None:
             if available():
                 kernel_fn = lambda: decode_attention(q, k, v, length, starts, scale)
                 row["kernel_ms"] = timed(kernel_fn)
+                # keys per block: one block per (row, key-value head) where the row fits one
+                # span, else spans of this many keys and a combine
+                for keys_per_span in (256, 1024, 1 << 20):
+                    row[f"kernel_span{keys_per_span}_ms"] = timed(
+                        lambda: decode_attention(q, k, v, length, starts, scale, keys_per_span))
+                # no row padded: what the plain path gives MLX's fused attention instead
+                row["kernel_unpadded_ms"] = timed(
+                    lambda: decode_attention(q, k, v, length, unpadded, scale))
                 diff = mx.abs(kernel_fn().astype(mx.float32) - masked_fn().astype(mx.float32))
                 row["max_abs_diff"] = float(diff.max())
             rows.append(row)

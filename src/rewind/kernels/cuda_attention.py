@@ -8,12 +8,14 @@ batched matrix-vector product, a softmax, a second product (`gemv_batched` was 4
 attention at 32 rows of 1,152 keys 0.61 ms against 0.32 ms unmasked, both measured there).
 
 This kernel reads each row's keys from its first real slot, so padding costs nothing. One
-thread block per (row, key-value head), WARPS warps: warp w takes the row's keys w, w + WARPS,
-... counted from the row's first key, reads each key and value once for all the query heads of
-its group (four for Llama-3.2-1B: the kernel per query head read them four times, 2.1 ms of a
-32-stream step's 3.76 ms of GPU time on an H100), keeps an online softmax per query head, and
-the warps' partial sums are combined in a fixed order. A row's result therefore does not
-depend on its padding or on the other rows of the batch. Each lane holds D / 32 elements of
+thread block per (row, key-value head) and span of KEYS_PER_SPAN keys counted from the row's
+first key (one block per row and head when every row fits one span; else a second kernel joins
+the spans' partial sums in order, so that one long row still fills the GPU), WARPS warps: warp
+w takes the span's keys w, w + WARPS, ..., reads each key and value once for all the query
+heads of its group (four for Llama-3.2-1B: the kernel per query head read them four times,
+2.1 ms of a 32-stream step's 3.76 ms of GPU time on an H100), keeps an online softmax per query
+head, and the warps' partial sums are combined in a fixed order. A row's result therefore does
+not depend on its padding or on the other rows of the batch. Each lane holds D / 32 elements of
 the query, of the output, and of each key and value it reads (D a multiple of 32, up to 256).
 
 What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
@@ -32,18 +34,29 @@ import mlx.core as mx
 
 from rewind import env
 
-WARPS = 8  # warps per block: keys of a row split 8 ways
+WARPS = 8  # warps per block: keys of a span split 8 ways
+# Keys per block. A fixed count, not a fixed number of blocks: how a row's keys are split then
+# depends on that row alone, never on the batch (the split-size rule of batch-invariant
+# decoding). Short contexts take one block per (row, key-value head) and no combine.
+KEYS_PER_SPAN = 512
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
 
-_SOURCE = """
+# The block's work, shared by the kernel that writes a row's result (SPLIT 0) and the one that
+# writes one span of CHUNK keys' partial sums (SPLIT 1) for _COMBINE_SOURCE to join.
+_BODY = """
     constexpr int PER = D / 32;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int b = blockIdx.x / HKV;
-    const int hk = blockIdx.x % HKV;
+    const int spans = SPLIT ? length[2] : 1;
+    const int span = blockIdx.x % spans;
+    const int b = (blockIdx.x / spans) / HKV;
+    const int hk = (blockIdx.x / spans) % HKV;
     const size_t capacity = (size_t)length[1];
     const int total = min(length[0], (int)capacity);  // never a slot after the buffer
     const int first = max(starts[b], 0);  // never a slot before the buffer
+    // spans are counted from the row's first key, so padding never moves a key to another span
+    const int lo = SPLIT ? first + span * CHUNK : first;
+    const int hi = SPLIT ? min(lo + CHUNK, total) : total;
     const float softmax_scale = scale[0];
 
     // the GROUP query heads that read key-value head hk: each key and value is read once
@@ -65,7 +78,7 @@ _SOURCE = """
       l[g] = 0.0f;
       for (int i = 0; i < PER; ++i) acc[g][i] = 0.0f;
     }
-    for (int t = first + warp; t < total; t += WARPS) {
+    for (int t = lo + warp; t < hi; t += WARPS) {
       float kt[PER];
       float vt[PER];
       const InT* k_at = k_head + (size_t)t * D;
@@ -107,10 +120,38 @@ _SOURCE = """
         sum += warp_l[w * GROUP + g] * f;
         for (int i = 0; i < PER; ++i) o[i] += warp_acc[(w * GROUP + g) * D + lane * PER + i] * f;
       }
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      InT* out_row = out + (first_head + g) * D + lane * PER;
-      for (int i = 0; i < PER; ++i) out_row[i] = static_cast<InT>(o[i] * inv);
+      WRITE
     }
+"""
+_SOURCE = _BODY.replace("WRITE", """const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      InT* out_row = out + (first_head + g) * D + lane * PER;
+      for (int i = 0; i < PER; ++i) out_row[i] = static_cast<InT>(o[i] * inv);""")
+_SPANS_SOURCE = _BODY.replace("WRITE", """// this span's sums, not yet divided: the combine weighs the spans as the warps were
+      const size_t at = (first_head + g) * spans + span;
+      if (lane == 0) { part_m[at] = top; part_l[at] = sum; }
+      for (int i = 0; i < PER; ++i) part_o[at * D + lane * PER + i] = o[i];""")
+# One warp per (row, query head) joins the spans in order, with the block's own arithmetic: a
+# row whose keys fit one span gets the single kernel's bits (its span's weight is exp(0) = 1,
+# the empty spans' 0).
+_COMBINE_SOURCE = """
+    constexpr int PER = D / 32;
+    const int lane = threadIdx.x & 31;
+    const size_t head = blockIdx.x;
+    const int spans = span_count[0];
+    float top = -1e30f;
+    for (int s = 0; s < spans; ++s) top = fmaxf(top, part_m[head * spans + s]);
+    float sum = 0.0f;
+    float o[PER];
+    for (int i = 0; i < PER; ++i) o[i] = 0.0f;
+    for (int s = 0; s < spans; ++s) {
+      const size_t at = head * spans + s;
+      const float f = part_l[at] > 0.0f ? expf(part_m[at] - top) : 0.0f;
+      sum += part_l[at] * f;
+      for (int i = 0; i < PER; ++i) o[i] += part_o[at * D + lane * PER + i] * f;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    OutT* out_row = out + head * D + lane * PER;
+    for (int i = 0; i < PER; ++i) out_row[i] = static_cast<OutT>(o[i] * inv);
 """
 
 
@@ -120,6 +161,22 @@ def _kernel() -> Any:
         name="rewind_decode_attention",
         input_names=["q", "k", "v", "starts", "length", "scale"], output_names=["out"],
         source=_SOURCE)
+
+
+@functools.lru_cache(maxsize=None)
+def _spans_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="rewind_decode_attention_spans",
+        input_names=["q", "k", "v", "starts", "length", "scale"],
+        output_names=["part_o", "part_m", "part_l"], source=_SPANS_SOURCE)
+
+
+@functools.lru_cache(maxsize=None)
+def _combine_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="rewind_decode_attention_combine",
+        input_names=["part_o", "part_m", "part_l", "span_count"],
+        output_names=["out"], source=_COMBINE_SOURCE)
 
 
 def _partials_bytes(group: int, dim: int) -> int:
@@ -132,7 +189,8 @@ def available() -> bool:
 
 
 def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.array,
-                     length: int | mx.array, starts: mx.array, scale: float) -> mx.array:
+                     length: int | mx.array, starts: mx.array, scale: float,
+                     keys_per_span: int = KEYS_PER_SPAN) -> mx.array:
     """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
 
     queries [B, Hq, 1, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
@@ -155,25 +213,45 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     if isinstance(length, mx.array):
         if length.size != 1:
             raise ValueError(f"length: one element, got shape {length.shape}")
-        bounds = mx.concatenate([length.reshape(1).astype(mx.int32),
-                                 mx.array([capacity], mx.int32)])
+        # the grid is fixed when the call is made: spans for the whole buffer (those past a
+        # row's last key find nothing and weigh 0)
+        bound = capacity
+        bounds = [length.reshape(1).astype(mx.int32), mx.array([capacity], mx.int32)]
     elif 0 < length <= capacity:
-        bounds = mx.array([length, capacity], mx.int32)
+        bound = length
+        bounds = [mx.array([length, capacity], mx.int32)]
     else:
         raise ValueError(f"length {length} of capacity {capacity}")
     if starts.shape != (batch,):
         raise ValueError(f"starts {starts.shape} for {batch} rows")
+    if keys_per_span < 32 or keys_per_span % WARPS:
+        raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
+    spans = -(-bound // keys_per_span)
     dtype = queries.dtype
-    return _kernel()(
-        inputs=[queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
-                starts.astype(mx.int32), bounds,
-                mx.array([scale], mx.float32)],
-        # the capacity is an input, not a template argument: buffers grow along a ladder, and
-        # each template value compiles the kernel anew
-        template=[("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
-                  ("GROUP", query_heads // kv_heads), ("WARPS", WARPS)],
-        grid=(batch * kv_heads * 32 * WARPS, 1, 1),
-        threadgroup=(32 * WARPS, 1, 1),
+    inputs = [queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
+              starts.astype(mx.int32),
+              mx.concatenate(bounds + [mx.array([spans], mx.int32)]),
+              mx.array([scale], mx.float32)]
+    # the capacity and the span count are inputs, not template arguments: buffers grow along a
+    # ladder, and each template value compiles the kernel anew
+    template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
+                ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span)]
+    threads = 32 * WARPS
+    if spans == 1:
+        return _kernel()(
+            inputs=inputs, template=template + [("SPLIT", 0)],
+            grid=(batch * kv_heads * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[queries.shape], output_dtypes=[dtype])[0]
+    heads = batch * query_heads
+    part_o, part_m, part_l = _spans_kernel()(
+        inputs=inputs, template=template + [("SPLIT", 1)],
+        grid=(batch * kv_heads * spans * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(heads, spans, dim), (heads, spans), (heads, spans)],
+        output_dtypes=[mx.float32] * 3)
+    return _combine_kernel()(
+        inputs=[part_o, part_m, part_l, mx.array([spans], mx.int32)],
+        template=[("OutT", dtype), ("D", dim)],
+        grid=(heads * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[dtype])[0]
 
 
