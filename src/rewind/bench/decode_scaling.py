@@ -153,13 +153,16 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         save()
 
     try:
-        # Warm-up: every batch size's kernels compiled (and cuDNN graphs built) before timing.
+        # Warm-up: every batch size's kernels compiled (and cuDNN graphs built) before timing;
+        # at each stream count, since MLX names a fused kernel by its inputs' kinds, and one row
+        # makes some of them scalars (new kernels to build).
         warm = max(streams)
         if {"engine", "compiled", "greedy"} & set(args.parts):
             run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
         if "compiled" in args.parts:
             with env.overridden({env.COMPILED_DECODE: "on"}):
-                run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
+                for count in streams:
+                    run_engine(engine, prompts(count, 64), 8, chunk_tokens, bias)
         if "mlx-lm" in args.parts:
             with env.overridden({env.GATED_DELTA: "off", env.CUDA_ATTENTION: "off"}):
                 run_mlx_lm(loaded.model, prompts(warm, 64), 8)

@@ -46,7 +46,12 @@ class StepTimers:
         # itself (wake-ups) and the events handed to the callers.
         gaps = [b.started - a.ended for a, b in zip(steps, steps[1:])
                 if b.started - a.ended < 0.5]
+        # a mean hides one slow step (a kernel built, a shape traced) among fast ones
+        ordered = sorted(t.total_ms for t in steps)
         return {"steps": count, "step_ms": mean_ms([t.total_ms for t in steps]),
+                "step_ms_p50": round(ordered[count // 2], 3),
+                "step_ms_p90": round(ordered[min(count - 1, (9 * count) // 10)], 3),
+                "step_ms_max": round(ordered[-1], 3),
                 "schedule_ms": mean_ms([t.schedule_ms for t in steps]),
                 "run_ms": mean_ms([t.run_ms for t in steps]),
                 "postprocess_ms": mean_ms([t.postprocess_ms for t in steps]),

@@ -82,21 +82,25 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"- N={n}: ({sizes.weight_bytes} B + {state}) = {step / 1e9:.3f} GB "
                          f"-> {1e3 * step / hbm:.3f} ms a step -> {n} / that = "
                          f"{sizes.bound_tok_s(n, context, hbm):,.0f} tok/s")
-        per_step = [(count, parts["engine"]["per_step"]) for count, parts in
+        per_step = [(count, part, parts[part]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
-                    if "engine" in parts and parts["engine"].get("per_step", {}).get("steps")]
+                    for part in ("engine", "compiled")
+                    if part in parts and parts[part].get("per_step", {}).get("steps")]
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "
-                      "timers on the engine thread):", "",
+                      "timers on the engine thread; the median and slowest step beside):", "",
                       "| streams | step | schedule | run (forward) | postprocess (sample, "
-                      "emit) | between steps |",
-                      "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-            for count, p in per_step:
+                      "emit) | between steps | step median / max |",
+                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for count, part, p in per_step:
                 if "run_ms" not in p:  # a report from before the step was three calls
                     continue
-                lines.append(f"| {count} | {p['step_ms']:.2f} | {p['schedule_ms']:.2f} | "
+                spread = (f"{p['step_ms_p50']:.2f} / {p['step_ms_max']:.2f}"
+                          if "step_ms_p50" in p else "-")
+                label = f"{count}" + (" compiled" if part == "compiled" else "")
+                lines.append(f"| {label} | {p['step_ms']:.2f} | {p['schedule_ms']:.2f} | "
                              f"{p['run_ms']:.2f} | {p['postprocess_ms']:.2f} | "
-                             f"{p['between_steps_ms']} |")
+                             f"{p['between_steps_ms']} | {spread} |")
         mlx_steps = [(count, parts["mlx-lm"]["step_ms"]) for count, parts in
                      sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
                      if "step_ms" in parts.get("mlx-lm", {})]
