@@ -87,6 +87,18 @@ def test_compiled_decode_gives_the_plain_calls_answers(tiny_model_path, family: 
                                                        abs=LOGPROB_ATOL)
 
 
+def test_the_default_compiles_on_cuda_only(tiny_model_path) -> None:
+    """REWIND_COMPILED_DECODE=auto (the default): compiled steps on MLX's CUDA backend, where
+    they were measured faster, and none elsewhere."""
+    from rewind.kernels.cuda_attention import available
+
+    loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
+    prompts = [loaded.tokenizer.encode(text) for text in TEXTS]
+    with env.overridden({env.COMPILED_DECODE: "auto"}):
+        _, steps = _answers(loaded, EngineConfig(parallel=4, speculative="off"), prompts, 6)
+    assert (steps > 0) == available()
+
+
 def test_caches_a_view_does_not_fit_take_the_plain_call(tiny_model_path) -> None:
     """Sliding windows (Gemma 3) keep their own caches: no step goes through the compiled
     call."""

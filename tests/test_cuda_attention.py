@@ -271,3 +271,24 @@ def test_keys_wider_than_values_keep_mlx(monkeypatch) -> None:
     out = cuda_attention._attention(queries, keys, values, batch, 0.125, mask)
     expected = base.scaled_dot_product_attention(queries, keys, values, batch, 0.125, mask)
     assert out.shape == (2, 4, 1, 32) and np.allclose(np.array(out), np.array(expected))
+
+
+def test_warm_kernels_runs_each_variant_for_the_head_shapes_called(monkeypatch) -> None:
+    """warm_kernels runs the one-block and the spanned kernel for every head shape called before
+    (recorded on any backend; run only where CUDA is)."""
+    monkeypatch.setattr(cuda_attention, "_SEEN", set())
+    q = mx.zeros((2, 4, 1, 64), mx.bfloat16)
+    kv = mx.zeros((2, 2, 16, 64), mx.bfloat16)
+    if not cuda_attention.available():
+        assert cuda_attention.warm_kernels() == 0
+        return
+    cuda_attention.decode_attention(q, kv, kv, 16, mx.array([0, 3]), 0.125)
+    spans: list[int] = []
+    original = cuda_attention._spans_kernel
+
+    def counted():
+        spans.append(1)
+        return original()
+
+    monkeypatch.setattr(cuda_attention, "_spans_kernel", counted)
+    assert cuda_attention.warm_kernels() == 1 and len(spans) == 1

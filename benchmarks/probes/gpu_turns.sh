@@ -48,9 +48,9 @@ if [ "$part" = compiled ]; then
   tail -n 12 "$out/compiled-step.txt"
 fi
 if [ "$part" = engine-compiled ]; then
-  # the engine's decode step plain and compiled (REWIND_COMPILED_DECODE), each stream count
+  # the engine's decode step plain and compiled (REWIND_COMPILED_DECODE off, on), each stream count
   # side by side in one process, then over HTTP
-  python3 -m rewind bench decode-scaling --models ${MODELS:-llama-3.2-1b} --parts engine compiled \
+  python3 -m rewind bench decode-scaling --models ${MODELS:-llama-3.2-1b} --parts uncompiled compiled ${HTTP:+http} \
     ${COMMIT:+--commit $COMMIT} --json "$out/decode-scaling-compiled.json" > "$out/decode-scaling-compiled.txt" 2>&1
   grep -E "^\|" "$out/decode-scaling-compiled.md" | head -n 8
 fi

@@ -79,10 +79,10 @@ CUDA_ATTENTION = Var("REWIND_CUDA_ATTENTION",
                      "attention instead of Rewind's kernel (rewind.kernels.cuda_attention)",
                      ("on", "off"))
 COMPILED_DECODE = Var("REWIND_COMPILED_DECODE",
-                      "on: a decode step of MLX's layers over full-attention caches is built once "
-                      "per batch shape and replayed (mx.compile; rewind.engine.compiled_decode). "
-                      "Off by default until measured in the engine on a GPU",
-                      ("on", "off"))
+                      "a decode step of MLX's layers over full-attention caches built once per "
+                      "batch shape and replayed (mx.compile; rewind.engine.compiled_decode): auto "
+                      "(the default) on CUDA, where it was measured faster, off elsewhere; on; off",
+                      ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
@@ -159,8 +159,9 @@ def cuda_attention_off() -> bool:
     return CUDA_ATTENTION.get() == "off"
 
 
-def compiled_decode() -> bool:
-    return COMPILED_DECODE.get() == "on"
+def compiled_decode() -> str:
+    """auto, on or off (rewind.engine.compiled_decode decides what auto means)."""
+    return COMPILED_DECODE.get() or "auto"
 
 
 def fast_gelu() -> bool:

@@ -69,12 +69,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128,
                         help="decode steps in each timed window")
     parser.add_argument("--parts", nargs="+", default=["engine", "greedy", "mlx-lm", "http"],
-                        choices=["engine", "compiled", "greedy", "mlx-lm", "http", "kernels",
-                                 "llama-cpp"],
-                        help="engine: Rewind's Engine, greedy with a logit bias against EOS; "
-                             "compiled: the same engine with REWIND_COMPILED_DECODE=on, each "
-                             "stream count right after the engine's (one process: these "
-                             "machines' host speed varies between processes); "
+                        choices=["engine", "uncompiled", "compiled", "greedy", "mlx-lm",
+                                 "http", "kernels", "llama-cpp"],
+                        help="engine: Rewind's Engine as served, greedy with a logit bias "
+                             "against EOS; uncompiled / compiled: the same engine with "
+                             "REWIND_COMPILED_DECODE off / on, each stream count right after "
+                             "the engine's (one process: these machines' host speed varies "
+                             "between processes); "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
                              "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py); "
@@ -157,12 +158,17 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         # at each stream count, since MLX names a fused kernel by its inputs' kinds, and one row
         # makes some of them scalars (new kernels to build).
         warm = max(streams)
-        if {"engine", "compiled", "greedy"} & set(args.parts):
+        compiled_parts = {"uncompiled": "off", "compiled": "on"}
+        if {"engine", "greedy", *compiled_parts} & set(args.parts):
             run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
-        if "compiled" in args.parts:
-            with env.overridden({env.COMPILED_DECODE: "on"}):
-                for count in streams:
-                    run_engine(engine, prompts(count, 64), 8, chunk_tokens, bias)
+            for part, setting in compiled_parts.items():
+                if part in args.parts:
+                    with env.overridden({env.COMPILED_DECODE: setting}):
+                        for count in streams:
+                            run_engine(engine, prompts(count, 64), 8, chunk_tokens, bias)
+            # the attention kernel's spans (contexts past one span), as the server's warm-up
+            from rewind.kernels import cuda_attention
+            cuda_attention.warm_kernels()
         if "mlx-lm" in args.parts:
             with env.overridden({env.GATED_DELTA: "off", env.CUDA_ATTENTION: "off"}):
                 run_mlx_lm(loaded.model, prompts(warm, 64), 8)
@@ -170,10 +176,11 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
             if "engine" in args.parts and not deadline.passed():
                 record("engine", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, bias))
-            if "compiled" in args.parts and not deadline.passed():
-                with env.overridden({env.COMPILED_DECODE: "on"}):
-                    record("compiled", count, run_engine(engine, prompts(count),
-                                                         args.decode_tokens, chunk_tokens, bias))
+            for part, setting in compiled_parts.items():
+                if part in args.parts and not deadline.passed():
+                    with env.overridden({env.COMPILED_DECODE: setting}):
+                        record(part, count, run_engine(engine, prompts(count),
+                                                       args.decode_tokens, chunk_tokens, bias))
             if "greedy" in args.parts and not deadline.passed():
                 record("greedy", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, None))

@@ -45,9 +45,12 @@ def markdown(report: dict[str, Any]) -> str:
                      if sizes.fixed_state_bytes else "") + ".", ""]
         header = ["streams", "Rewind engine (EOS bias)", "Rewind engine (plain greedy)",
                   "Rewind HTTP (openai client)", "mlx-lm BatchGenerator", "HBM bound"]
-        compiled = any("compiled" in parts for parts in entry["rows"].values())
-        if compiled:
-            header.insert(2, "Rewind engine, compiled decode step (EOS bias)")
+        # the decode step's two settings side by side, where measured (REWIND_COMPILED_DECODE)
+        settings = [(part, title) for part, title in (
+            ("uncompiled", "Rewind engine, plain decode step (EOS bias)"),
+            ("compiled", "Rewind engine, compiled decode step (EOS bias)"))
+            if any(part in parts for parts in entry["rows"].values())]
+        header[2:2] = [title for _, title in settings]
         measured = any("llama.cpp" in parts for parts in entry["rows"].values())
         if measured:
             header.append("llama.cpp, F16, same weights (llama-batched-bench)")
@@ -56,14 +59,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]
         for count, parts in sorted(entry["rows"].items(), key=lambda kv: int(kv[0])):
             n = int(count)
-            context = (parts.get("engine") or parts.get("greedy") or parts.get("mlx-lm")
-                       or {}).get("mean_context", report["prompt_tokens"])
+            context = (parts.get("engine") or parts.get("uncompiled") or parts.get("greedy")
+                       or parts.get("mlx-lm") or {}).get("mean_context", report["prompt_tokens"])
             bound = sizes.bound_tok_s(n, context, hbm)
             cells = [count, _cell(parts.get("engine")), _cell(parts.get("greedy")),
                      _cell(parts.get("http")), _cell(parts.get("mlx-lm")),
                      f"{bound:,.0f} (at {context:.0f} tokens)"]
-            if compiled:
-                cells.insert(2, _cell(parts.get("compiled")))
+            cells[2:2] = [_cell(parts.get(part)) for part, _ in settings]
             if measured:
                 cells.append(_cell(parts.get("llama.cpp")))
             elif name.startswith("llama"):
@@ -73,8 +75,8 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{hbm / 1e12:.2f} TB/s, {_bandwidth_of(report)}):", ""]
         for count, parts in sorted(entry["rows"].items(), key=lambda kv: int(kv[0])):
             n = int(count)
-            context = (parts.get("engine") or parts.get("greedy") or parts.get("mlx-lm")
-                       or {}).get("mean_context", report["prompt_tokens"])
+            context = (parts.get("engine") or parts.get("uncompiled") or parts.get("greedy")
+                       or parts.get("mlx-lm") or {}).get("mean_context", report["prompt_tokens"])
             step = sizes.step_bytes(n, context)
             state = (f"{n} x ({sizes.kv_bytes_per_token} B x {context:.0f} tokens"
                      + (f" + {sizes.fixed_state_bytes} B" if sizes.fixed_state_bytes else "")
@@ -84,7 +86,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{sizes.bound_tok_s(n, context, hbm):,.0f} tok/s")
         per_step = [(count, part, parts[part]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
-                    for part in ("engine", "compiled")
+                    for part in ("engine", "uncompiled", "compiled")
                     if part in parts and parts[part].get("per_step", {}).get("steps")]
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "
@@ -97,7 +99,7 @@ def markdown(report: dict[str, Any]) -> str:
                     continue
                 spread = (f"{p['step_ms_p50']:.2f} / {p['step_ms_max']:.2f}"
                           if "step_ms_p50" in p else "-")
-                label = f"{count}" + (" compiled" if part == "compiled" else "")
+                label = f"{count}" + ("" if part == "engine" else f" {part}")
                 lines.append(f"| {label} | {p['step_ms']:.2f} | {p['schedule_ms']:.2f} | "
                              f"{p['run_ms']:.2f} | {p['postprocess_ms']:.2f} | "
                              f"{p['between_steps_ms']} | {spread} |")

@@ -163,7 +163,7 @@ class CompiledDecode:
         return tuple(layout)
 
     def takes(self, segment: Segment) -> bool:
-        if self.failed is not None or not env.compiled_decode():
+        if self.failed is not None or not _wanted():
             return False
         if self._alone is None:
             # a sharded model's collectives stay out of traces (the engine does not import
@@ -212,6 +212,19 @@ class CompiledDecode:
                 layer.offset = layer.offset + 1
         self.steps += 1
         return out[0]
+
+
+def _wanted() -> bool:
+    """REWIND_COMPILED_DECODE, read at each step; auto means on MLX's CUDA backend."""
+    setting = env.compiled_decode()
+    if setting == "auto":
+        return _on_cuda()
+    return setting == "on"
+
+
+@functools.lru_cache(maxsize=1)
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 Layout = tuple[int, ...]  # per layer: _KV, or how many arrays an ArraysCache holds

@@ -10,6 +10,7 @@ server's memory account. Where the server caches prompts, a third request then e
 one through a prompt cache of the warm-up's own (RAM only, dropped after): a cached turn's
 restore, its checkpoints and its short calls have kernels of their own. On an H100 the first
 cached turn of a process took ~100 ms where later ones, tails of new lengths included, took ~40.
+Last, Rewind's decode attention kernel is built for contexts past these prompts (its spans).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None) -> WarmUp
     settings: its block size), a cached turn through a throwaway RAM-only prompt cache. Raises
     what the engine raises, and for a request that ends in error."""
     from rewind.engine import Engine
+    from rewind.kernels import cuda_attention
 
     started = time.perf_counter()
     cache = _throwaway_cache(loaded, cache_config)
@@ -68,6 +70,9 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None) -> WarmUp
         engine.shutdown()
         if cache is not None:
             cache.close()
+    # the attention kernel's variants for contexts longer than these prompts (the engine
+    # stopped: this thread alone evaluates)
+    cuda_attention.warm_kernels()
     result = WarmUp(time.perf_counter() - started, generated, cached_tokens)
     log.info("warmed up %s in %.2f s", getattr(loaded, "name", "the model"), result.seconds)
     return result

@@ -179,6 +179,30 @@ def _combine_kernel() -> Any:
         output_names=["out"], source=_COMBINE_SOURCE)
 
 
+# (dtype, head size, query heads, key-value heads) of each call this process made: warm_kernels
+# builds every variant for each. MLX keeps no custom kernel on disk, and NVRTC took 1.6 s for
+# the one-block kernel and 3.0 s for the spans and their combine at their first calls in a
+# fresh process on an H100 (benchmarks/probes/first_steps.py).
+_SEEN: set[tuple[Any, int, int, int]] = set()
+
+
+def warm_kernels() -> int:
+    """Run the one-block and the spanned kernel once for every head shape the process has
+    called decode_attention with (a server's warm-up runs a short padded batch first, which
+    calls the one-block kernel; a long context would otherwise build the spans' kernels inside
+    a request). Outside mx.compile traces only. Returns the head shapes warmed."""
+    if not available():
+        return 0
+    shapes = sorted(_SEEN, key=str)
+    for dtype, dim, query_heads, kv_heads in shapes:
+        queries = mx.zeros((1, query_heads, 1, dim), dtype)
+        buffer = mx.zeros((1, kv_heads, 2 * KEYS_PER_SPAN, dim), dtype)
+        for length in (KEYS_PER_SPAN, 2 * KEYS_PER_SPAN):
+            mx.eval(decode_attention(queries, buffer, buffer, length, mx.zeros((1,), mx.int32),
+                                     dim ** -0.5))
+    return len(shapes)
+
+
 def _partials_bytes(group: int, dim: int) -> int:
     """Shared memory for the warps' partial sums: an output, a maximum and a sum per head."""
     return 4 * WARPS * group * (dim + 2)
@@ -228,6 +252,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
     spans = -(-bound // keys_per_span)
     dtype = queries.dtype
+    _SEEN.add((dtype, dim, query_heads, kv_heads))
     inputs = [queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
               starts.astype(mx.int32),
               mx.concatenate(bounds + [mx.array([spans], mx.int32)]),
