@@ -112,7 +112,7 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
     expected = mx.fast.scaled_dot_product_attention(
         q.astype(mx.float32), k[..., :length, :].astype(mx.float32),
         v[..., :length, :].astype(mx.float32), scale=scale, mask=mask)
-    # 600 keys: one block per (row, key-value head), 2 spans of 512 and a combine, 10 of 64
+    # 600 keys: one block per (row, key-value head), spans of KEYS_PER_SPAN and a combine, of 64
     for keys_per_span in (1 << 20, cuda_attention.KEYS_PER_SPAN, 64):
         got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span)
         assert got.shape == q.shape and got.dtype == mx.bfloat16

@@ -83,8 +83,13 @@ class DecodeView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError(f"a decode view takes one key a row, got {keys.shape[2]}")
-        self.keys = mx.slice_update(self.keys, keys, self.length, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.length, axes=(2,))
+        # A scatter along the slot axis, not mx.slice_update at a device position: MLX's CUDA
+        # backend launches that dynamic copy over the whole buffer (copy_gg_dynamic_nd: 3.65 ms
+        # of a 32-row step's 8 ms of GPU time, Llama-3.2-1B shape on an H100) where the
+        # scatter's threads cover only the new keys.
+        slots = mx.broadcast_to(self.length.reshape(1, 1, 1, 1), keys.shape)
+        self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slots, values, axis=2)
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None,

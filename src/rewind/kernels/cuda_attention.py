@@ -38,7 +38,10 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # Keys per block. A fixed count, not a fixed number of blocks: how a row's keys are split then
 # depends on that row alone, never on the batch (the split-size rule of batch-invariant
 # decoding). Short contexts take one block per (row, key-value head) and no combine.
-KEYS_PER_SPAN = 512
+# 256: one row of 1,152 keys took 0.049 ms a layer (512: 0.089; MLX unmasked 0.054), 32 rows
+# the same either way, one row of 32,768 keys 0.105 (1,024: 0.093); H100, Llama-3.2-1B heads
+# (benchmarks/probes/sdpa_mask_cost.py).
+KEYS_PER_SPAN = 256
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
 
 # The block's work, shared by the kernel that writes a row's result (SPLIT 0) and the one that
