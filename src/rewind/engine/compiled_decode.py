@@ -28,18 +28,21 @@ ArraysCache (no sliding window, quantized cache or cache list), a buffer with ro
 step's key, a model that runs whole in this process. Anything else, and any model whose trace
 fails, runs the plain call; so does a model with a full-attention layer that scores keys
 itself instead of through scaled_dot_product_attention (it would read the buffer's spare slots).
-REWIND_COMPILED_DECODE=on turns it on (off by default until measured in the engine on a GPU;
-on the CPU it runs MLX's attention and recurrence where the plain call runs the C kernels, and
-one stream of a Qwen 3.5 0.8B shape took as long either way within the machine's spread:
-benchmarks/results/compiled-decode-cpu-qwen35-xeon.md).
+
+REWIND_COMPILED_DECODE: auto (the default) is on with MLX's CUDA backend, off elsewhere; on;
+off. On an H100, Llama-3.2-1B shape, both in one process: 424 / 1,809 / 6,536 tokens/s at
+1 / 8 / 32 streams against the plain call's 306 / 1,368 / 3,346 (docs/HARDWARE.md). On the
+CPU it runs MLX's attention and recurrence where the plain call runs the C kernels, and one
+stream of a Qwen 3.5 0.8B shape took as long either way within the machine's spread
+(benchmarks/results/compiled-decode-cpu-qwen35-xeon.md); Metal is not measured.
 
 Costs to know: a new row count or capacity is traced once (a step's Python build, inside a
 serving step; rows are not bucketed), MLX keeps every trace while the runner lives, and
 settings read inside the step (REWIND_CUDA_ATTENTION, REWIND_GATED_DELTA) take effect for
-shapes traced after they change. On CUDA a view's attention is always Rewind's kernel, one
-block per row and key-value head, where the plain call gives a lone unpadded row to MLX's fused
-attention; a long context with few rows and few key-value heads may run slower there (not yet
-measured).
+shapes traced after they change. On CUDA a view's attention is always Rewind's kernel (spans of
+256 keys a block, so a lone long row still fills the GPU), where the plain call gives an
+unpadded batch to MLX's fused attention, which is faster at long contexts with many rows
+(docs/HARDWARE.md).
 """
 
 from __future__ import annotations

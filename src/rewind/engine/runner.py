@@ -81,7 +81,8 @@ class ModelRunner:
         # tokens back (rewind.cache.linear_steps); set with `lone_rows`.
         self.linear_steps = False
         # The decode batch's call built once per shape and replayed, on MLX's layers of a model
-        # that runs whole here (rewind.engine.compiled_decode; REWIND_COMPILED_DECODE=on).
+        # that runs whole here (rewind.engine.compiled_decode; REWIND_COMPILED_DECODE, on CUDA by
+        # default).
         self.compiled_decode: CompiledDecode | None = None
         if self.layer_count is None and pipeline_stages(model) == 1:
             split = split_model(model)
