@@ -102,28 +102,42 @@ def test_groups_too_wide_for_a_block_keep_mlx() -> None:
                          [(32, 8, 64), (8, 2, 256), (4, 4, 128), (16, 1, 64), (8, 1, 128)])
 def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int) -> None:
     rng = np.random.default_rng(dim)
-    batch, capacity, length = 5, 640, 600
+    batch, capacity, length = 5, 640, 500
     q = mx.array(rng.standard_normal((batch, heads, 1, dim)).astype(np.float32)).astype(mx.bfloat16)
     k = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)).astype(np.float32)).astype(mx.bfloat16)
     v = mx.array(rng.standard_normal((batch, kv_heads, capacity, dim)).astype(np.float32)).astype(mx.bfloat16)
-    starts = mx.array([0, 1, 77, 599, 300], mx.int32)
-    mask = mx.arange(length)[None, None, None, :] >= starts[:, None, None, None]
     scale = dim ** -0.5
-    expected = mx.fast.scaled_dot_product_attention(
-        q.astype(mx.float32), k[..., :length, :].astype(mx.float32),
-        v[..., :length, :].astype(mx.float32), scale=scale, mask=mask)
-    # 600 keys: one block per (row, key-value head), spans of KEYS_PER_SPAN and a combine, of 64
+
+    def masked(length: int, starts: mx.array) -> np.ndarray:
+        mask = mx.arange(length)[None, None, None, :] >= starts[:, None, None, None]
+        return np.array(mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32), k[..., :length, :].astype(mx.float32),
+            v[..., :length, :].astype(mx.float32), scale=scale, mask=mask))
+
+    starts = mx.array([0, 1, 77, 499, 300], mx.int32)
+    expected = masked(length, starts)
+    # 500 keys: one block per (row, key-value head), spans of KEYS_PER_SPAN (2 of 256) and a
+    # combine, spans of 64 (8)
     for keys_per_span in (1 << 20, cuda_attention.KEYS_PER_SPAN, 64):
         got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span)
         assert got.shape == q.shape and got.dtype == mx.bfloat16
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected),
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected,
                                    atol=2e-2, rtol=2e-2)
-        # the length as an array on the device (a compiled step's; spans for the whole
-        # buffer, the last ones empty), the same bits
+        # the length as an array on the device, as a compiled step gives it: spans for the
+        # whole buffer of 640 (3 of 256, 10 of 64; the last ones empty), the same bits
         from_array = cuda_attention.decode_attention(q, k, v, mx.array([length]), starts, scale,
                                                      keys_per_span)
         assert np.array_equal(np.array(from_array.astype(mx.float32)),
                               np.array(got.astype(mx.float32)))
+    # a short context in that buffer: one block from an integer length, the spans and their
+    # combine from the device's length, the same bits
+    short_starts = mx.array([0, 1, 77, 199, 100], mx.int32)
+    one_block = cuda_attention.decode_attention(q, k, v, 200, short_starts, scale)
+    spanned = cuda_attention.decode_attention(q, k, v, mx.array([200]), short_starts, scale)
+    np.testing.assert_allclose(np.array(one_block.astype(mx.float32)),
+                               masked(200, short_starts), atol=2e-2, rtol=2e-2)
+    assert np.array_equal(np.array(spanned.astype(mx.float32)),
+                          np.array(one_block.astype(mx.float32)))
 
 
 @cuda
@@ -283,12 +297,10 @@ def test_warm_kernels_runs_each_variant_for_the_head_shapes_called(monkeypatch) 
         assert cuda_attention.warm_kernels() == 0
         return
     cuda_attention.decode_attention(q, kv, kv, 16, mx.array([0, 3]), 0.125)
-    spans: list[int] = []
-    original = cuda_attention._spans_kernel
-
-    def counted():
-        spans.append(1)
-        return original()
-
-    monkeypatch.setattr(cuda_attention, "_spans_kernel", counted)
-    assert cuda_attention.warm_kernels() == 1 and len(spans) == 1
+    built: list[str] = []
+    for name in ("_kernel", "_spans_kernel", "_combine_kernel"):
+        original = getattr(cuda_attention, name)
+        monkeypatch.setattr(cuda_attention, name,
+                            lambda name=name, original=original: built.append(name) or original())
+    assert cuda_attention.warm_kernels() == 1
+    assert sorted(built) == ["_combine_kernel", "_kernel", "_spans_kernel"]

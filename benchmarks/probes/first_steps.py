@@ -19,13 +19,15 @@ import mlx.core as mx
 
 
 def kernel_first_calls() -> list[dict]:
-    from rewind.kernels.cuda_attention import available, decode_attention
+    from rewind.kernels.cuda_attention import KEYS_PER_SPAN, available, decode_attention
 
     if not available():
         return []
     rows = []
-    for name, length, capacity in (("one block", 300, 512), ("spans", 1100, 1280),
-                                   ("spans, length on the device", None, 1280)):
+    span = KEYS_PER_SPAN
+    cases = (("one block", span - 56, 2 * span), ("spans", 4 * span + 76, 5 * span),
+             ("spans, length on the device", None, 5 * span))
+    for name, length, capacity in cases:
         q = mx.random.normal((2, 32, 1, 64)).astype(mx.bfloat16)
         k = mx.random.normal((2, 8, capacity, 64)).astype(mx.bfloat16)
         starts = mx.array([0, 7], mx.int32)
@@ -33,8 +35,8 @@ def kernel_first_calls() -> list[dict]:
         times = []
         for _ in range(3):
             started = time.perf_counter()
-            mx.eval(decode_attention(q, k, k, length if length else mx.array([1100]), starts,
-                                     0.125))
+            mx.eval(decode_attention(q, k, k, length if length else mx.array([4 * span]),
+                                     starts, 0.125))
             times.append(round(1e3 * (time.perf_counter() - started), 2))
         rows.append({"case": name, "first_ms": times[0], "then_ms": times[1:]})
         print(json.dumps(rows[-1]), flush=True)

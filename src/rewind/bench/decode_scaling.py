@@ -160,7 +160,8 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         warm = max(streams)
         compiled_parts = {"uncompiled": "off", "compiled": "on"}
         if {"engine", "greedy", *compiled_parts} & set(args.parts):
-            run_engine(engine, prompts(warm, 64), 8, chunk_tokens, bias)
+            for count in streams:  # as served (compiled on CUDA): each count's shapes
+                run_engine(engine, prompts(count, 64), 8, chunk_tokens, bias)
             for part, setting in compiled_parts.items():
                 if part in args.parts:
                     with env.overridden({env.COMPILED_DECODE: setting}):

@@ -156,6 +156,7 @@ class CompiledDecode:
         layout: list[int] = []
         for layer in cache:
             if type(layer) is GrowingBatchKVCache:
+                # a slot left in the buffer: the step's scatter does not clamp its position
                 if (layer.keys is None or layer.values is None or layer._idx >= layer.keys.shape[2]
                         or layer.keys.shape[0] != rows
                         or getattr(layer, "lengths", None) is not None):

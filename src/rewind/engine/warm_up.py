@@ -70,8 +70,8 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None) -> WarmUp
         engine.shutdown()
         if cache is not None:
             cache.close()
-    # the attention kernel's variants for contexts longer than these prompts (the engine
-    # stopped: this thread alone evaluates)
+    # the attention kernel's variants for contexts longer than these prompts, once the
+    # warm-up's engine has stopped
     cuda_attention.warm_kernels()
     result = WarmUp(time.perf_counter() - started, generated, cached_tokens)
     log.info("warmed up %s in %.2f s", getattr(loaded, "name", "the model"), result.seconds)

@@ -140,7 +140,7 @@ _COMBINE_SOURCE = """
     constexpr int PER = D / 32;
     const int lane = threadIdx.x & 31;
     const size_t head = blockIdx.x;
-    const int spans = span_count[0];
+    const int spans = length[2];
     float top = -1e30f;
     for (int s = 0; s < spans; ++s) top = fmaxf(top, part_m[head * spans + s]);
     float sum = 0.0f;
@@ -178,7 +178,7 @@ def _spans_kernel() -> Any:
 def _combine_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="rewind_decode_attention_combine",
-        input_names=["part_o", "part_m", "part_l", "span_count"],
+        input_names=["part_o", "part_m", "part_l", "length"],
         output_names=["out"], source=_COMBINE_SOURCE)
 
 
@@ -237,29 +237,27 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     if _partials_bytes(query_heads // kv_heads, dim) > _SHARED_BYTES:
         raise ValueError(f"{query_heads // kv_heads} query heads per key-value head of size "
                          f"{dim}: the warps' partial sums outgrow a block's shared memory")
+    if starts.shape != (batch,):
+        raise ValueError(f"starts {starts.shape} for {batch} rows")
+    if keys_per_span < 32 or keys_per_span % WARPS:
+        raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
     if isinstance(length, mx.array):
         if length.size != 1:
             raise ValueError(f"length: one element, got shape {length.shape}")
         # the grid is fixed when the call is made: spans for the whole buffer (those past a
         # row's last key find nothing and weigh 0)
-        bound = capacity
-        bounds = [length.reshape(1).astype(mx.int32), mx.array([capacity], mx.int32)]
+        spans = -(-capacity // keys_per_span)
+        bounds = mx.concatenate([length.reshape(1).astype(mx.int32),
+                                 mx.array([capacity, spans], mx.int32)])
     elif 0 < length <= capacity:
-        bound = length
-        bounds = [mx.array([length, capacity], mx.int32)]
+        spans = -(-length // keys_per_span)
+        bounds = mx.array([length, capacity, spans], mx.int32)  # one small upload a layer
     else:
         raise ValueError(f"length {length} of capacity {capacity}")
-    if starts.shape != (batch,):
-        raise ValueError(f"starts {starts.shape} for {batch} rows")
-    if keys_per_span < 32 or keys_per_span % WARPS:
-        raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
-    spans = -(-bound // keys_per_span)
     dtype = queries.dtype
     _SEEN.add((dtype, dim, query_heads, kv_heads))
     inputs = [queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
-              starts.astype(mx.int32),
-              mx.concatenate(bounds + [mx.array([spans], mx.int32)]),
-              mx.array([scale], mx.float32)]
+              starts.astype(mx.int32), bounds, mx.array([scale], mx.float32)]
     # the capacity and the span count are inputs, not template arguments: buffers grow along a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
@@ -277,7 +275,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         output_shapes=[(heads, spans, dim), (heads, spans), (heads, spans)],
         output_dtypes=[mx.float32] * 3)
     return _combine_kernel()(
-        inputs=[part_o, part_m, part_l, mx.array([spans], mx.int32)],
+        inputs=[part_o, part_m, part_l, bounds],
         template=[("OutT", dtype), ("D", dim)],
         grid=(heads * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[queries.shape], output_dtypes=[dtype])[0]
