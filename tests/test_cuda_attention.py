@@ -86,6 +86,8 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         cuda_attention.decode_attention(q, kv, kv, mx.array([8, 9]), starts, 0.1)
     with pytest.raises(ValueError, match="keys_per_span"):
         cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, keys_per_span=20)
+    with pytest.raises(ValueError, match="keys_at_once"):
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, keys_at_once=3)
     with pytest.raises(ValueError, match="shared memory"):  # 16 query heads of 256 per group
         cuda_attention.decode_attention(mx.zeros((2, 16, 1, 256)), mx.zeros((2, 1, 16, 256)),
                                         mx.zeros((2, 1, 16, 256)), 8, starts, 0.1)
@@ -129,6 +131,13 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
                                                      keys_per_span)
         assert np.array_equal(np.array(from_array.astype(mx.float32)),
                               np.array(got.astype(mx.float32)))
+    # keys loaded several at a time by each warp: the same arithmetic in the same order
+    default = np.array(cuda_attention.decode_attention(q, k, v, length, starts, scale)
+                       .astype(mx.float32))
+    for at_once in (2, 4, 8):
+        unrolled = cuda_attention.decode_attention(q, k, v, length, starts, scale,
+                                                   keys_at_once=at_once)
+        assert np.array_equal(np.array(unrolled.astype(mx.float32)), default)
     # a short context in that buffer: one block from an integer length, the spans and their
     # combine from the device's length, the same bits
     short_starts = mx.array([0, 1, 77, 199, 100], mx.int32)

@@ -42,6 +42,10 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # the same either way, one row of 32,768 keys 0.105 (1,024: 0.093); H100, Llama-3.2-1B heads
 # (benchmarks/probes/sdpa_mask_cost.py).
 KEYS_PER_SPAN = 256
+# Keys each warp loads before it uses them. 1 until measured: at 32 rows of 4,096 keys the
+# kernel reaches ~27% of the HBM bandwidth, each warp waiting on one key's load at a time
+# (benchmarks/probes/sdpa_mask_cost.py times 1, 2 and 4).
+KEYS_AT_ONCE = 1
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
 
 # The block's work, shared by the kernel that writes a row's result (SPLIT 0) and the one that
@@ -81,25 +85,34 @@ _BODY = """
       l[g] = 0.0f;
       for (int i = 0; i < PER; ++i) acc[g][i] = 0.0f;
     }
-    for (int t = lo + warp; t < hi; t += WARPS) {
-      float kt[PER];
-      float vt[PER];
-      const InT* k_at = k_head + (size_t)t * D;
-      const InT* v_at = v_head + (size_t)t * D;
-      for (int i = 0; i < PER; ++i) {
-        kt[i] = static_cast<float>(k_at[i]);
-        vt[i] = static_cast<float>(v_at[i]);
+    // warp w takes keys lo + w, lo + w + WARPS, ... in that order; UNROLL of them are loaded
+    // before any is used (more loads in flight), the arithmetic's order the same
+    for (int t0 = lo + warp; t0 < hi; t0 += WARPS * UNROLL) {
+      float kt[UNROLL][PER];
+      float vt[UNROLL][PER];
+      for (int u = 0; u < UNROLL; ++u) {
+        const int t = t0 + u * WARPS;
+        if (t >= hi) break;  // the same for every lane of the warp
+        const InT* k_at = k_head + (size_t)t * D;
+        const InT* v_at = v_head + (size_t)t * D;
+        for (int i = 0; i < PER; ++i) {
+          kt[u][i] = static_cast<float>(k_at[i]);
+          vt[u][i] = static_cast<float>(v_at[i]);
+        }
       }
-      for (int g = 0; g < GROUP; ++g) {
-        float s = 0.0f;
-        for (int i = 0; i < PER; ++i) s += qr[g][i] * kt[i];
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        const float m_new = fmaxf(m[g], s);
-        const float correction = expf(m[g] - m_new);
-        const float p = expf(s - m_new);
-        l[g] = l[g] * correction + p;
-        for (int i = 0; i < PER; ++i) acc[g][i] = acc[g][i] * correction + p * vt[i];
-        m[g] = m_new;
+      for (int u = 0; u < UNROLL; ++u) {
+        if (t0 + u * WARPS >= hi) break;
+        for (int g = 0; g < GROUP; ++g) {
+          float s = 0.0f;
+          for (int i = 0; i < PER; ++i) s += qr[g][i] * kt[u][i];
+          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+          const float m_new = fmaxf(m[g], s);
+          const float correction = expf(m[g] - m_new);
+          const float p = expf(s - m_new);
+          l[g] = l[g] * correction + p;
+          for (int i = 0; i < PER; ++i) acc[g][i] = acc[g][i] * correction + p * vt[u][i];
+          m[g] = m_new;
+        }
       }
     }
 
@@ -217,7 +230,8 @@ def available() -> bool:
 
 def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.array,
                      length: int | mx.array, starts: mx.array, scale: float,
-                     keys_per_span: int = KEYS_PER_SPAN) -> mx.array:
+                     keys_per_span: int = KEYS_PER_SPAN,
+                     keys_at_once: int = KEYS_AT_ONCE) -> mx.array:
     """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
 
     queries [B, Hq, 1, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
@@ -241,6 +255,8 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"starts {starts.shape} for {batch} rows")
     if keys_per_span < 32 or keys_per_span % WARPS:
         raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
+    if keys_at_once not in (1, 2, 4, 8):
+        raise ValueError(f"keys_at_once {keys_at_once}: 1, 2, 4 or 8")
     if isinstance(length, mx.array):
         if length.size != 1:
             raise ValueError(f"length: one element, got shape {length.shape}")
@@ -261,7 +277,8 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     # the capacity and the span count are inputs, not template arguments: buffers grow along a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
-                ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span)]
+                ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span),
+                ("UNROLL", keys_at_once)]
     threads = 32 * WARPS
     if spans == 1:
         return _kernel()(
