@@ -21,7 +21,9 @@ the query, of the output, and of each key and value it reads (D a multiple of 32
 What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
 [B, Hkv, capacity, D] buffer each of the queries' dtype, Hq a multiple of Hkv, no sinks, no
 sliding window. A row with no key gets zeros. Anything else goes to MLX (`_attention` below
-decides). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
+decides). The spans' partial sums are scratch of B x Hq x spans x (D + 2) floats a layer (a
+compiled step counts spans over the whole buffer: 64 rows of 32 heads of 128 in a 131,072-slot
+buffer would take 0.5 GB for a moment). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
 attention for every step (read at each call).
 """
 
@@ -142,7 +144,8 @@ _BODY = """
 _SOURCE = _BODY.replace("WRITE", """const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       InT* out_row = out + (first_head + g) * D + lane * PER;
       for (int i = 0; i < PER; ++i) out_row[i] = static_cast<InT>(o[i] * inv);""")
-_SPANS_SOURCE = _BODY.replace("WRITE", """// this span's sums, not yet divided: the combine weighs the spans as the warps were
+# this span's sums, not yet divided: the combine weighs the spans as the warps were
+_SPANS_SOURCE = _BODY.replace("WRITE", """
       const size_t at = (first_head + g) * spans + span;
       if (lane == 0) { part_m[at] = top; part_l[at] = sum; }
       for (int i = 0; i < PER; ++i) part_o[at * D + lane * PER + i] = o[i];""")
