@@ -229,9 +229,28 @@ def test_prompts_arriving_together_share_steps(tiny_loaded):
 
 
 def _streams(engine: Engine, prompts: list[list[int]], lengths: list[int]):
-    """Submit every prompt at once; each one's (tokens, logprobs, top logprobs, usage)."""
-    handles = [engine.submit(GenerationRequest(p, params(engine, n, logprobs=True)))
-               for p, n in zip(prompts, lengths)]
+    """Each prompt's (tokens, logprobs, top logprobs, usage). The first prompt's first step
+    runs alone and the engine waits after it until every other prompt is queued, so the steps'
+    rows are the same whatever the threads' timing: on MLX's layers (Qwen 3.5's tiny model on
+    the CPU) a row's log-probabilities move with how many rows share the matrix products
+    (BLAS; up to 1.4e-4 seen when the test's own submissions raced the engine's steps)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_after_the_first_step(plan, timing) -> None:
+        if not entered.is_set():
+            entered.set()
+            release.wait(TIMEOUT)
+
+    engine.add_step_listener(hold_after_the_first_step)
+    try:
+        handles = [engine.submit(GenerationRequest(prompts[0], params(engine, lengths[0],
+                                                                      logprobs=True)))]
+        assert entered.wait(TIMEOUT)
+        handles += [engine.submit(GenerationRequest(p, params(engine, n, logprobs=True)))
+                    for p, n in zip(prompts[1:], lengths[1:])]
+    finally:
+        release.set()
+        engine.remove_step_listener(hold_after_the_first_step)
     out = []
     for handle in handles:
         events = list(handle.events(TIMEOUT))
