@@ -69,3 +69,17 @@ def test_outside_any_repository_says_so(tmp_path: Path) -> None:
         pytest.skip("the temporary folder is inside a git repository")
     assert info["rewind_commit"] is None
     assert "not inside a git repository" in info["rewind_commit_note"]
+
+
+def test_the_source_digest_names_the_code_not_the_place(tmp_path: Path) -> None:
+    """Two copies of one tree: one digest, wherever they lie and whatever git says; a changed
+    byte in a source file: another digest."""
+    first = _package(tmp_path / "one")
+    second = _package(tmp_path / "two")
+    (first / "kernel.c").write_text("int x;\n")
+    (second / "kernel.c").write_text("int x;\n")
+    (second / "__pycache__").mkdir()
+    (second / "__pycache__" / "junk.pyc").write_bytes(b"cache")
+    assert code_version(first)["rewind_src_digest"] == code_version(second)["rewind_src_digest"]
+    (second / "kernel.c").write_text("int y;\n")
+    assert code_version(first)["rewind_src_digest"] != code_version(second)["rewind_src_digest"]

@@ -42,7 +42,8 @@ def _version(package: str) -> str | None:
 def code_version(source: Path | None = None) -> dict[str, Any]:
     """Where the `rewind` under test was imported from, and its git commit: the code moves while
     benchmarks run (they are meant to run from a frozen worktree), so every result says which
-    commit it measured, and whether its src/ had uncommitted changes.
+    commit it measured, whether its src/ had uncommitted changes, and a digest of the source
+    itself (`source_digest`).
 
     The commit is that of the git repository holding the package only when that repository
     tracks the package: a copy of src/ inside some other repository (a results folder, a
@@ -56,7 +57,7 @@ def code_version(source: Path | None = None) -> dict[str, Any]:
         source = Path(rewind.__file__).resolve().parent
     source = Path(source).resolve()
     info: dict[str, Any] = {"rewind_source": display_path(source), "rewind_commit": None,
-                            "rewind_src_dirty": None}
+                            "rewind_src_dirty": None, "rewind_src_digest": source_digest(source)}
 
     def git(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["git", "-C", str(source), *argv], capture_output=True, text=True,
@@ -86,6 +87,26 @@ def code_version(source: Path | None = None) -> dict[str, Any]:
         info["rewind_commit"] = commit.stdout.strip()
         info["rewind_src_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
     return info
+
+
+def source_digest(source: Path) -> str | None:
+    """sha256 (12 hex digits) of the package's source files, their paths and contents: it names
+    the code that ran where git cannot (a copy with uncommitted changes, a tree without git).
+    The same tree gives the same digest on any machine, so a report from a dirty copy can be
+    matched to a commit by running this over that commit's src/rewind."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    try:
+        files = sorted(p for p in source.rglob("*") if p.is_file()
+                       and p.suffix in (".py", ".c", ".h", ".cu", ".cuh", ".json")
+                       and "__pycache__" not in p.parts)
+        for path in files:
+            digest.update(path.relative_to(source).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    except OSError:
+        return None
+    return digest.hexdigest()[:12]
 
 
 def nvidia_gpu() -> dict[str, str] | None:
