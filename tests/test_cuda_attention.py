@@ -86,8 +86,8 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         cuda_attention.decode_attention(q, kv, kv, mx.array([8, 9]), starts, 0.1)
     with pytest.raises(ValueError, match="keys_per_span"):
         cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, keys_per_span=20)
-    with pytest.raises(ValueError, match="keys_at_once"):
-        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, keys_at_once=3)
+    with pytest.raises(ValueError, match="elements_per_lane"):
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, elements_per_lane=3)
     with pytest.raises(ValueError, match="shared memory"):  # 16 query heads of 256 per group
         cuda_attention.decode_attention(mx.zeros((2, 16, 1, 256)), mx.zeros((2, 1, 16, 256)),
                                         mx.zeros((2, 1, 16, 256)), 8, starts, 0.1)
@@ -131,13 +131,17 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
                                                      keys_per_span)
         assert np.array_equal(np.array(from_array.astype(mx.float32)),
                               np.array(got.astype(mx.float32)))
-    # keys loaded several at a time by each warp: the same arithmetic in the same order
-    default = np.array(cuda_attention.decode_attention(q, k, v, length, starts, scale)
-                       .astype(mx.float32))
-    for at_once in (2, 4, 8):
-        unrolled = cuda_attention.decode_attention(q, k, v, length, starts, scale,
-                                                   keys_at_once=at_once)
-        assert np.array_equal(np.array(unrolled.astype(mx.float32)), default)
+    # every way of sharing a key among a warp's lanes gives MLX's answer, through one block
+    # and through spans alike (the default's bits are held above)
+    for lanes_per_key in (32, 16, 8, 4):
+        vec = dim // lanes_per_key
+        if vec > 8 or (heads // kv_heads) * vec > 64:
+            continue
+        for keys_per_span in (1 << 20, 64):
+            got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span,
+                                                  elements_per_lane=vec)
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected,
+                                       atol=2e-2, rtol=2e-2)
     # a short context in that buffer: one block from an integer length, the spans and their
     # combine from the device's length, the same bits
     short_starts = mx.array([0, 1, 77, 199, 100], mx.int32)
@@ -161,6 +165,27 @@ def test_a_length_past_the_buffer_reads_only_the_buffer() -> None:
                                                keys_per_span)
         assert np.array_equal(np.array(past.astype(mx.float32)),
                               np.array(whole.astype(mx.float32)))
+
+
+@cuda
+def test_buffers_off_a_16_byte_boundary_give_the_same_bits() -> None:
+    """Keys and values that start one element past an aligned address (a view into a larger
+    array) are read an element at a time, with the same arithmetic as the 16-byte loads."""
+    rng = np.random.default_rng(3)
+    shape = (2, 2, 96, 64)
+    size = int(np.prod(shape))
+    flat = mx.array(rng.standard_normal(size + 1).astype(np.float32)).astype(mx.bfloat16)
+    shifted = flat[1:].reshape(shape)
+    aligned = mx.array(np.array(shifted.astype(mx.float32))).astype(mx.bfloat16)
+    q = mx.array(rng.standard_normal((2, 8, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
+    starts = mx.array([0, 9], mx.int32)
+    for keys_per_span in (1 << 20, 32):
+        wide = cuda_attention.decode_attention(q, aligned, aligned, 96, starts, 0.125,
+                                               keys_per_span)
+        narrow = cuda_attention.decode_attention(q, shifted, shifted, 96, starts, 0.125,
+                                                 keys_per_span)
+        assert np.array_equal(np.array(narrow.astype(mx.float32)),
+                              np.array(wide.astype(mx.float32)))
 
 
 @cuda

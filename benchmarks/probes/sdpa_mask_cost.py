@@ -60,11 +60,12 @@ def main() -> None:
                 for keys_per_span in (256, 1024, 1 << 20):
                     row[f"kernel_span{keys_per_span}_ms"] = timed(
                         lambda: decode_attention(q, k, v, length, starts, scale, keys_per_span))
-                # keys a warp loads before using them (the default spans)
-                for at_once in (2, 4):
-                    row[f"kernel_at_once{at_once}_ms"] = timed(
+                # elements of a key each lane loads: D / 32 (a whole warp a key, as the first
+                # kernel), 4, 8 (16 bytes of bf16)
+                for vec in sorted({dim // 32, 4, 8}):
+                    row[f"kernel_vec{vec}_ms"] = timed(
                         lambda: decode_attention(q, k, v, length, starts, scale,
-                                                 keys_at_once=at_once))
+                                                 elements_per_lane=vec))
                 # no row padded: what the plain path gives MLX's fused attention instead
                 row["kernel_unpadded_ms"] = timed(
                     lambda: decode_attention(q, k, v, length, unpadded, scale))

@@ -10,13 +10,16 @@ attention at 32 rows of 1,152 keys 0.61 ms against 0.32 ms unmasked, both measur
 This kernel reads each row's keys from its first real slot, so padding costs nothing. One
 thread block per (row, key-value head) and span of KEYS_PER_SPAN keys counted from the row's
 first key (one block per row and head when every row fits one span; else a second kernel joins
-the spans' partial sums in order, so that one long row still fills the GPU), WARPS warps: warp
-w takes the span's keys w, w + WARPS, ..., reads each key and value once for all the query
-heads of its group (four for Llama-3.2-1B: the kernel per query head read them four times,
-2.1 ms of a 32-stream step's 3.76 ms of GPU time on an H100), keeps an online softmax per query
-head, and the warps' partial sums are combined in a fixed order. A row's result therefore does
-not depend on its padding or on the other rows of the batch. Each lane holds D / 32 elements of
-the query, of the output, and of each key and value it reads (D a multiple of 32, up to 256).
+the spans' partial sums in order, so that one long row still fills the GPU), WARPS warps. A
+key is shared by D / VEC lanes, each loading VEC elements of it (16 bytes of bf16 where it can),
+so a warp takes 32 / (D / VEC) keys at once: warp w takes the span's keys from w times that, a
+warp's stride further each time, and loads its next keys before it uses these. Each key and
+value is read once for all the query heads of its group (four for Llama-3.2-1B: the kernel per
+query head read them four times, 2.1 ms of a 32-stream step's 3.76 ms of GPU time on an H100).
+A warp keeps one running maximum per query head for its keys at once (one rescale a step, not
+one a key), its key slots' sums join at the end, and the warps' partial sums are combined in a
+fixed order. A row's result therefore does not depend on its padding or on the other rows of
+the batch (D a multiple of 32, up to 256).
 
 What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
 [B, Hkv, capacity, D] buffer each of the queries' dtype, Hq a multiple of Hkv, no sinks, no
@@ -44,18 +47,51 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # the same either way, one row of 32,768 keys 0.105 (1,024: 0.093); H100, Llama-3.2-1B heads
 # (benchmarks/probes/sdpa_mask_cost.py).
 KEYS_PER_SPAN = 256
-# Keys each warp loads before it uses them. 1 until measured: at 32 rows of 4,096 keys the
-# kernel reaches ~27% of the HBM bandwidth, each warp waiting on one key's load at a time
-# (benchmarks/probes/sdpa_mask_cost.py times 1, 2 and 4).
-KEYS_AT_ONCE = 1
+# Elements of a key each lane loads (None: _elements_per_lane's rule). D / this many lanes
+# share a key, so a warp takes 32 / (D / this) keys at once: 8 elements of Llama-3.2-1B's
+# 64-wide heads are one 16-byte load a lane and four keys a warp. The first kernel's lane held
+# D / 32 elements of one key a warp (4 bytes a lane here) and reached ~27% of the HBM bandwidth
+# at 32 rows of 4,096 keys on an H100 (benchmarks/probes/sdpa_mask_cost.py times the choices).
+ELEMENTS_PER_LANE: int | None = None
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
+
+# Loads a lane's VEC elements as floats: 16-byte loads where the element type and the buffers'
+# alignment allow them (both known before the loop), one element at a time elsewhere.
+_HEADER = """
+template <typename T, int N>
+__device__ __forceinline__ void rewind_load_row(const T* src, float* dst, bool wide) {
+  constexpr int BYTES = N * (int)sizeof(T);
+  if constexpr (BYTES % 16 == 0) {
+    if (wide) {
+      uint4 words[BYTES / 16];
+#pragma unroll
+      for (int j = 0; j < BYTES / 16; ++j) words[j] = reinterpret_cast<const uint4*>(src)[j];
+      const T* elements = reinterpret_cast<const T*>(words);
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(elements[i]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+__device__ __forceinline__ void rewind_zero_row(float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = 0.0f;
+}
+"""
 
 # The block's work, shared by the kernel that writes a row's result (SPLIT 0) and the one that
 # writes one span of CHUNK keys' partial sums (SPLIT 1) for _COMBINE_SOURCE to join.
 _BODY = """
-    constexpr int PER = D / 32;
+    constexpr int TPK = D / VEC;  // lanes that share a key
+    constexpr int KPW = 32 / TPK;  // keys a warp takes at once
+    constexpr int STRIDE = WARPS * KPW;
+    constexpr int PER = D / 32;  // elements a lane holds in the warps' combine
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int slot = lane / TPK;
+    const int sub = lane % TPK;
     const int spans = SPLIT ? length[2] : 1;
     const int span = blockIdx.x % spans;
     const int b = (blockIdx.x / spans) / HKV;
@@ -67,63 +103,101 @@ _BODY = """
     const int lo = SPLIT ? first + span * CHUNK : first;
     const int hi = SPLIT ? min(lo + CHUNK, total) : total;
     const float softmax_scale = scale[0];
+    // every row starts a multiple of 16 bytes past the buffers' start when they are aligned
+    const bool wide = ((reinterpret_cast<size_t>(k) | reinterpret_cast<size_t>(v)) & 15) == 0;
 
     // the GROUP query heads that read key-value head hk: each key and value is read once
-    float qr[GROUP][PER];
+    float qr[GROUP][VEC];
     const size_t first_head = (size_t)b * HQ + (size_t)hk * GROUP;
+#pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      const InT* q_row = q + (first_head + g) * D + lane * PER;
-      for (int i = 0; i < PER; ++i) qr[g][i] = static_cast<float>(q_row[i]) * softmax_scale;
+      const InT* q_row = q + (first_head + g) * D + sub * VEC;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) qr[g][i] = static_cast<float>(q_row[i]) * softmax_scale;
     }
-    const size_t head_base = ((size_t)b * HKV + hk) * capacity * D + lane * PER;
+    const size_t head_base = ((size_t)b * HKV + hk) * capacity * D + sub * VEC;
     const InT* k_head = k + head_base;
     const InT* v_head = v + head_base;
 
+    // one maximum per query head for the whole warp; a sum and an output per key slot
     float m[GROUP];
     float l[GROUP];
-    float acc[GROUP][PER];
+    float acc[GROUP][VEC];
+#pragma unroll
     for (int g = 0; g < GROUP; ++g) {
       m[g] = -1e30f;
       l[g] = 0.0f;
-      for (int i = 0; i < PER; ++i) acc[g][i] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[g][i] = 0.0f;
     }
-    // warp w takes keys lo + w, lo + w + WARPS, ... in that order; UNROLL of them are loaded
-    // before any is used (more loads in flight), the arithmetic's order the same
-    for (int t0 = lo + warp; t0 < hi; t0 += WARPS * UNROLL) {
-      float kt[UNROLL][PER];
-      float vt[UNROLL][PER];
-      for (int u = 0; u < UNROLL; ++u) {
-        const int t = t0 + u * WARPS;
-        if (t >= hi) break;  // the same for every lane of the warp
-        const InT* k_at = k_head + (size_t)t * D;
-        const InT* v_at = v_head + (size_t)t * D;
-        for (int i = 0; i < PER; ++i) {
-          kt[u][i] = static_cast<float>(k_at[i]);
-          vt[u][i] = static_cast<float>(v_at[i]);
-        }
+    // warp w takes keys [lo + w * KPW, + KPW), then STRIDE further on, in that order; the
+    // next keys are loaded before this step's are used. A slot past the span holds zeros.
+    float kt[VEC];
+    float vt[VEC];
+    int t = lo + warp * KPW + slot;
+    if (t < hi) {
+      rewind_load_row<InT, VEC>(k_head + (size_t)t * D, kt, wide);
+      rewind_load_row<InT, VEC>(v_head + (size_t)t * D, vt, wide);
+    } else {
+      rewind_zero_row(kt, VEC);
+      rewind_zero_row(vt, VEC);
+    }
+    for (int t0 = lo + warp * KPW; t0 < hi; t0 += STRIDE) {
+      const bool valid = t < hi;
+      float kc[VEC];
+      float vc[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) { kc[i] = kt[i]; vc[i] = vt[i]; }
+      t += STRIDE;
+      if (t < hi) {
+        rewind_load_row<InT, VEC>(k_head + (size_t)t * D, kt, wide);
+        rewind_load_row<InT, VEC>(v_head + (size_t)t * D, vt, wide);
+      } else {
+        rewind_zero_row(kt, VEC);
+        rewind_zero_row(vt, VEC);
       }
-      for (int u = 0; u < UNROLL; ++u) {
-        if (t0 + u * WARPS >= hi) break;
-        for (int g = 0; g < GROUP; ++g) {
-          float s = 0.0f;
-          for (int i = 0; i < PER; ++i) s += qr[g][i] * kt[u][i];
-          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-          const float m_new = fmaxf(m[g], s);
-          const float correction = expf(m[g] - m_new);
-          const float p = expf(s - m_new);
-          l[g] = l[g] * correction + p;
-          for (int i = 0; i < PER; ++i) acc[g][i] = acc[g][i] * correction + p * vt[u][i];
-          m[g] = m_new;
-        }
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s += qr[g][i] * kc[i];
+#pragma unroll
+        for (int o = TPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (!valid) s = -1e30f;
+        float top = s;
+#pragma unroll
+        for (int o = TPK; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+        const float m_new = fmaxf(m[g], top);
+        const float correction = expf(m[g] - m_new);
+        const float p = valid ? expf(s - m_new) : 0.0f;
+        l[g] = l[g] * correction + p;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] = acc[g][i] * correction + p * vc[i];
+        m[g] = m_new;
+      }
+    }
+    // the key slots share the warp's maximum: their sums add (a butterfly, so every lane of a
+    // slot ends with the same bits)
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+      for (int o = TPK; o < 32; o <<= 1) {
+        l[g] += __shfl_xor_sync(0xffffffff, l[g], o);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], o);
       }
     }
 
     __shared__ float warp_m[WARPS * GROUP];
     __shared__ float warp_l[WARPS * GROUP];
     __shared__ float warp_acc[WARPS * GROUP * D];
-    for (int g = 0; g < GROUP; ++g) {
-      if (lane == 0) { warp_m[warp * GROUP + g] = m[g]; warp_l[warp * GROUP + g] = l[g]; }
-      for (int i = 0; i < PER; ++i) warp_acc[(warp * GROUP + g) * D + lane * PER + i] = acc[g][i];
+    if (slot == 0) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        if (lane == 0) { warp_m[warp * GROUP + g] = m[g]; warp_l[warp * GROUP + g] = l[g]; }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) warp_acc[(warp * GROUP + g) * D + sub * VEC + i] = acc[g][i];
+      }
     }
     __syncthreads();
     // warp g combines query head g's partial sums, warps in a fixed order
@@ -179,7 +253,7 @@ def _kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="rewind_decode_attention",
         input_names=["q", "k", "v", "starts", "length", "scale"], output_names=["out"],
-        source=_SOURCE)
+        source=_SOURCE, header=_HEADER)
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,7 +261,7 @@ def _spans_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="rewind_decode_attention_spans",
         input_names=["q", "k", "v", "starts", "length", "scale"],
-        output_names=["part_o", "part_m", "part_l"], source=_SPANS_SOURCE)
+        output_names=["part_o", "part_m", "part_l"], source=_SPANS_SOURCE, header=_HEADER)
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,6 +296,15 @@ def warm_kernels() -> int:
     return len(shapes)
 
 
+def _elements_per_lane(dim: int, group: int) -> int:
+    """Up to 8 (16 bytes of bf16) where D / that many lanes can share a key (D 32, 64, 128 or
+    256), fewer for wide groups (a lane holds GROUP x it elements of the queries and as many of
+    the outputs: at most 32 each, or registers spill); never under D / 32 (a whole warp a key)."""
+    if dim not in (32, 64, 128, 256):
+        return dim // 32
+    return max(dim // 32, min(8, 32 // group))
+
+
 def _partials_bytes(group: int, dim: int) -> int:
     """Shared memory for the warps' partial sums: an output, a maximum and a sum per head."""
     return 4 * WARPS * group * (dim + 2)
@@ -234,7 +317,7 @@ def available() -> bool:
 def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.array,
                      length: int | mx.array, starts: mx.array, scale: float,
                      keys_per_span: int = KEYS_PER_SPAN,
-                     keys_at_once: int = KEYS_AT_ONCE) -> mx.array:
+                     elements_per_lane: int | None = ELEMENTS_PER_LANE) -> mx.array:
     """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
 
     queries [B, Hq, 1, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
@@ -258,8 +341,11 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"starts {starts.shape} for {batch} rows")
     if keys_per_span < 32 or keys_per_span % WARPS:
         raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
-    if keys_at_once not in (1, 2, 4, 8):
-        raise ValueError(f"keys_at_once {keys_at_once}: 1, 2, 4 or 8")
+    vec = (_elements_per_lane(dim, query_heads // kv_heads) if elements_per_lane is None
+           else elements_per_lane)
+    if vec < 1 or dim % vec or 32 % (dim // vec):
+        raise ValueError(f"elements_per_lane {vec}: D / it lanes must share a key, a divisor "
+                         f"of 32 (D = {dim})")
     if isinstance(length, mx.array):
         if length.size != 1:
             raise ValueError(f"length: one element, got shape {length.shape}")
@@ -281,7 +367,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
                 ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span),
-                ("UNROLL", keys_at_once)]
+                ("VEC", vec)]
     threads = 32 * WARPS
     if spans == 1:
         return _kernel()(
