@@ -83,6 +83,11 @@ COMPILED_DECODE = Var("REWIND_COMPILED_DECODE",
                       "batch shape and replayed (mx.compile; rewind.engine.compiled_decode): auto "
                       "(the default) on CUDA, where it was measured faster, off elsewhere; on; off",
                       ("auto", "on", "off"))
+FUSED_PROJECTIONS = Var("REWIND_FUSED_PROJECTIONS",
+                        "an attention layer's q/k/v projections and an MLP's gate/up ones run as "
+                        "one matrix product each (rewind.models.fused_projections): auto (the "
+                        "default) with MLX's CUDA backend, off elsewhere; on; off",
+                        ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
@@ -114,7 +119,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        COMPILED_DECODE, FAST_GELU,
+                        COMPILED_DECODE, FUSED_PROJECTIONS, FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
@@ -162,6 +167,11 @@ def cuda_attention_off() -> bool:
 def compiled_decode() -> str:
     """auto, on or off (rewind.engine.compiled_decode decides what auto means)."""
     return COMPILED_DECODE.get() or "auto"
+
+
+def fused_projections() -> str:
+    """auto, on or off (rewind.models.fused_projections decides what auto means)."""
+    return FUSED_PROJECTIONS.get() or "auto"
 
 
 def fast_gelu() -> bool:

@@ -48,7 +48,8 @@ def markdown(report: dict[str, Any]) -> str:
         # the decode step's two settings side by side, where measured (REWIND_COMPILED_DECODE)
         settings = [(part, title) for part, title in (
             ("uncompiled", "Rewind engine, plain decode step (EOS bias)"),
-            ("compiled", "Rewind engine, compiled decode step (EOS bias)"))
+            ("compiled", "Rewind engine, compiled decode step (EOS bias)"),
+            ("unfused", "Rewind engine, q/k/v and gate/up unfused (EOS bias)"))
             if any(part in parts for parts in entry["rows"].values())]
         header[2:2] = [title for _, title in settings]
         measured = any("llama.cpp" in parts for parts in entry["rows"].values())
@@ -86,7 +87,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{sizes.bound_tok_s(n, context, hbm):,.0f} tok/s")
         per_step = [(count, part, parts[part]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
-                    for part in ("engine", "uncompiled", "compiled")
+                    for part in ("engine", "uncompiled", "compiled", "unfused")
                     if part in parts and parts[part].get("per_step", {}).get("steps")]
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "

@@ -142,7 +142,8 @@ def use_mlx_layers(model: Any, native_forward: str | None = None) -> Any:
 
 
 def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | None = None,
-                        native_forward: str | None = None, stored: Any = None) -> Any:
+                        native_forward: str | None = None, stored: Any = None,
+                        fuse_projections: bool = True) -> Any:
     """Set up the model's compute for this backend, in place.
 
     CPU: the backbone runs through Rewind's C kernels where the family allows
@@ -150,7 +151,10 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
     the stored weights in place; otherwise through MLX's layers widened to float32
     (`use_mlx_layers`). The output projection gets a bf16/int8 copy read by a C kernel for the
     logits (rewind.kernels.fast_head; `cpu_head` "off" keeps MLX's). GPU: float weights become
-    bfloat16; quantized layers stay quantized (the GPU kernels for them are fast).
+    bfloat16; quantized layers stay quantized (the GPU kernels for them are fast); sibling
+    projections run as one product where REWIND_FUSED_PROJECTIONS allows and `fuse_projections`
+    (a model about to be sharded by projection name: False) does
+    (rewind.models.fused_projections).
     """
     import mlx.core as mx
 
@@ -160,6 +164,11 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
 
         _cast_floats(model, target)
         use_in_model(model)  # the CUDA kernel for linear attention (Metal keeps mlx-lm's)
+        if fuse_projections:
+            from rewind.models import fused_projections
+
+            if fused_projections.wanted():
+                fused_projections.use_in_model(model)
         if mx.cuda.is_available():
             from rewind.kernels import cuda_attention, shifted_conv
 
@@ -275,12 +284,14 @@ def describe_compute(model: Any) -> str:
 
 def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | None = None,
                native_forward: str | None = None, tokenizer: Any = None,
-               in_place: bool | None = None) -> LoadedModel:
+               in_place: bool | None = None, fuse_projections: bool = True) -> LoadedModel:
     """Load a model folder or registry name, ready to compute on this backend (see
     prepare_for_backend; `dtype` overrides the per-backend compute dtype). `tokenizer`: one
     already loaded from the same files (a server holding two forms of one model parses it once).
     `in_place`: read the GGUF the folder came from in place on the CPU (True), never (False),
-    or where there is one and no other form was asked for (None; CPU_WEIGHTS)."""
+    or where there is one and no other form was asked for (None; CPU_WEIGHTS).
+    `fuse_projections`: False keeps every projection a layer of its own on a GPU (a model to be
+    sharded by layer name)."""
     from mlx_lm.utils import load_model as load_mlx_model
 
     from rewind.models.folder_quirks import model_classes, model_config_overrides
@@ -302,13 +313,16 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
         **({} if classes is None else {"get_model_classes": classes}))
     if tokenizer is None:
         tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
-    prepare_for_backend(model, dtype, cpu_head, native_forward, stored)
+    prepare_for_backend(model, dtype, cpu_head, native_forward, stored, fuse_projections)
     from rewind.kernels.native_forward import native_forward as installed_forward
+    from rewind.models.fused_projections import fused_in
 
     in_place_now = stored is not None and getattr(installed_forward(model), "form", "") == "gguf"
     materialize_constants(model, parameters=not in_place_now)
     release_free_heap()  # parsing tokenizer.json left ~180 MB of free heap mapped
     # Weights other than the folder's give other answers: their cache records must not mix.
     form = "|gguf" if in_place_now else ("|int8" if "int8" in (native_forward, cpu_head) else "")
+    if fused_in(model):  # one product for sibling projections may round otherwise
+        form += "|fused"
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path) + form)

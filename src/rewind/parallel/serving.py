@@ -23,11 +23,12 @@ def layout_name(group: mx.distributed.Group, layout: str) -> str:
 def load_shard(name: str, group: mx.distributed.Group, layout: str) -> Any:
     """The model with this rank's shard. Rewind's loader (same tokenizer and folder handling as a
     single process), MLX's layers rather than the C forward (which would bypass the sharded
-    projections), then mlx-lm's sharding. The fingerprint gains the layout, so one rank's
+    projections) and each projection a layer of its own (sharding splits them by name), then
+    mlx-lm's sharding. The fingerprint gains the layout, so one rank's
     records are never read as another's (their arrays hold other heads or other layers)."""
     from rewind.models.loader import load_model
 
-    loaded = load_model(name, native_forward="off")
+    loaded = load_model(name, native_forward="off", fuse_projections=False)
     shard_model(loaded.model, group, layout)
     barrier(group)  # every rank loaded: the first plan's collectives will not wait on a load
     return dataclasses.replace(loaded, fingerprint=f"{loaded.fingerprint}|{layout_name(group, layout)}")
