@@ -118,9 +118,9 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
 
     starts = mx.array([0, 1, 77, 499, 300], mx.int32)
     expected = masked(length, starts)
-    # 500 keys: one block per (row, key-value head), spans of KEYS_PER_SPAN (2 of 256) and a
+    # 500 keys: one block per (row, key-value head), spans of 256 (2) and a
     # combine, spans of 64 (8)
-    for keys_per_span in (1 << 20, cuda_attention.KEYS_PER_SPAN, 64):
+    for keys_per_span in (1 << 20, 256, 64):
         got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span)
         assert got.shape == q.shape and got.dtype == mx.bfloat16
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected,
@@ -145,8 +145,8 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
     # a short context in that buffer: one block from an integer length, the spans and their
     # combine from the device's length, the same bits
     short_starts = mx.array([0, 1, 77, 199, 100], mx.int32)
-    one_block = cuda_attention.decode_attention(q, k, v, 200, short_starts, scale)
-    spanned = cuda_attention.decode_attention(q, k, v, mx.array([200]), short_starts, scale)
+    one_block = cuda_attention.decode_attention(q, k, v, 200, short_starts, scale, 256)
+    spanned = cuda_attention.decode_attention(q, k, v, mx.array([200]), short_starts, scale, 256)
     np.testing.assert_allclose(np.array(one_block.astype(mx.float32)),
                                masked(200, short_starts), atol=2e-2, rtol=2e-2)
     assert np.array_equal(np.array(spanned.astype(mx.float32)),

@@ -62,7 +62,7 @@ def main() -> None:
                         lambda: decode_attention(q, k, v, length, starts, scale, keys_per_span))
                 # elements of a key each lane loads: D / 32 (a whole warp a key, as the first
                 # kernel), 4, 8 (16 bytes of bf16)
-                for vec in sorted({dim // 32, 4, 8}):
+                for vec in sorted(v for v in {dim // 32, 4, 8} if dim // v <= 32):
                     row[f"kernel_vec{vec}_ms"] = timed(
                         lambda: decode_attention(q, k, v, length, starts, scale,
                                                  elements_per_lane=vec))

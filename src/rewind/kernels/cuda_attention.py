@@ -43,10 +43,11 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # Keys per block. A fixed count, not a fixed number of blocks: how a row's keys are split then
 # depends on that row alone, never on the batch (the split-size rule of batch-invariant
 # decoding). Short contexts take one block per (row, key-value head) and no combine.
-# 256: one row of 1,152 keys took 0.049 ms a layer (512: 0.089; MLX unmasked 0.054), 32 rows
-# the same either way, one row of 32,768 keys 0.105 (1,024: 0.093); H100, Llama-3.2-1B heads
-# (benchmarks/probes/sdpa_mask_cost.py).
-KEYS_PER_SPAN = 256
+# 1,024: with keys shared by lanes (f1d3081, H100, benchmarks/probes/sdpa_mask_cost.py), summed
+# over seven cases of Llama-3.2-1B heads 0.67 ms against 0.79 for spans of 256 (32 rows of
+# 4,096 keys 0.238 / 0.258, one block 0.187; MLX unmasked 0.102); Qwen 3.5's 0.58 either way,
+# where one block a head left a lone row of 32,768 keys at 0.204 against 0.071 in spans.
+KEYS_PER_SPAN = 1024
 # Elements of a key each lane loads (None: _elements_per_lane's rule). D / this many lanes
 # share a key, so a warp takes 32 / (D / this) keys at once: 8 elements of Llama-3.2-1B's
 # 64-wide heads are one 16-byte load a lane and four keys a warp. The first kernel's lane held
@@ -55,29 +56,44 @@ KEYS_PER_SPAN = 256
 ELEMENTS_PER_LANE: int | None = None
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
 
-# Loads a lane's VEC elements as floats: 16-byte loads where the element type and the buffers'
-# alignment allow them (both known before the loop), one element at a time elsewhere.
+# Loads a lane's VEC elements as floats: 16-byte loads where the element type allows and the
+# buffers are aligned (WIDE, decided once per block: two copies of the loop, not a predicate on
+# every load), one element at a time elsewhere; nothing (zeros) for a slot past the span.
+# Scores are kept in base 2 (the queries carry log2(e)), so each exponential is one ex2.approx:
+# the accurate expf took nine instructions, and the loop was bound by instruction issue (354 a
+# step of four keys on sm_90 before this, from nvdisasm).
 _HEADER = """
-template <typename T, int N>
-__device__ __forceinline__ void rewind_load_row(const T* src, float* dst, bool wide) {
-  constexpr int BYTES = N * (int)sizeof(T);
-  if constexpr (BYTES % 16 == 0) {
-    if (wide) {
-      uint4 words[BYTES / 16];
+template <bool B>
+struct rewind_flag {
+  static constexpr bool value = B;
+};
+
+template <typename T, int N, bool WIDE>
+__device__ __forceinline__ void rewind_load_row(const T* src, float* dst, bool in_span) {
+  if (!in_span) {
 #pragma unroll
-      for (int j = 0; j < BYTES / 16; ++j) words[j] = reinterpret_cast<const uint4*>(src)[j];
-      const T* elements = reinterpret_cast<const T*>(words);
-#pragma unroll
-      for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(elements[i]);
-      return;
-    }
+    for (int i = 0; i < N; ++i) dst[i] = 0.0f;
+    return;
   }
+  constexpr int BYTES = N * (int)sizeof(T);
+  if constexpr (WIDE && BYTES % 16 == 0) {
+    uint4 words[BYTES / 16];
 #pragma unroll
-  for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(src[i]);
+    for (int j = 0; j < BYTES / 16; ++j) words[j] = reinterpret_cast<const uint4*>(src)[j];
+    const T* elements = reinterpret_cast<const T*>(words);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(elements[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(src[i]);
+  }
 }
 
-__device__ __forceinline__ void rewind_zero_row(float* dst, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = 0.0f;
+// 2^x; exactly 1 where a caller needs it is left to the caller (x == 0)
+__device__ __forceinline__ float rewind_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 """
 
@@ -105,6 +121,8 @@ _BODY = """
     const float softmax_scale = scale[0];
     // every row starts a multiple of 16 bytes past the buffers' start when they are aligned
     const bool wide = ((reinterpret_cast<size_t>(k) | reinterpret_cast<size_t>(v)) & 15) == 0;
+    // base-2 scores: softmax(x) = 2^(x log2 e - max) / sum
+    const float query_scale = softmax_scale * 1.4426950408889634f;
 
     // the GROUP query heads that read key-value head hk: each key and value is read once
     float qr[GROUP][VEC];
@@ -113,7 +131,7 @@ _BODY = """
     for (int g = 0; g < GROUP; ++g) {
       const InT* q_row = q + (first_head + g) * D + sub * VEC;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) qr[g][i] = static_cast<float>(q_row[i]) * softmax_scale;
+      for (int i = 0; i < VEC; ++i) qr[g][i] = static_cast<float>(q_row[i]) * query_scale;
     }
     const size_t head_base = ((size_t)b * HKV + hk) * capacity * D + sub * VEC;
     const InT* k_head = k + head_base;
@@ -130,32 +148,10 @@ _BODY = """
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[g][i] = 0.0f;
     }
-    // warp w takes keys [lo + w * KPW, + KPW), then STRIDE further on, in that order; the
-    // next keys are loaded before this step's are used. A slot past the span holds zeros.
-    float kt[VEC];
-    float vt[VEC];
-    int t = lo + warp * KPW + slot;
-    if (t < hi) {
-      rewind_load_row<InT, VEC>(k_head + (size_t)t * D, kt, wide);
-      rewind_load_row<InT, VEC>(v_head + (size_t)t * D, vt, wide);
-    } else {
-      rewind_zero_row(kt, VEC);
-      rewind_zero_row(vt, VEC);
-    }
-    for (int t0 = lo + warp * KPW; t0 < hi; t0 += STRIDE) {
-      const bool valid = t < hi;
-      float kc[VEC];
-      float vc[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) { kc[i] = kt[i]; vc[i] = vt[i]; }
-      t += STRIDE;
-      if (t < hi) {
-        rewind_load_row<InT, VEC>(k_head + (size_t)t * D, kt, wide);
-        rewind_load_row<InT, VEC>(v_head + (size_t)t * D, vt, wide);
-      } else {
-        rewind_zero_row(kt, VEC);
-        rewind_zero_row(vt, VEC);
-      }
+    // the keys at t (this lane's slot) into the running sums; a slot past the span holds zeros
+    // and weighs 0. The maximum is the warp's (every slot's score), so the rescale is
+    // warp-uniform and skipped when the maximum stays (a factor of exactly 1).
+    auto take = [&](const float* kc, const float* vc, bool valid) {
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
         float s = 0.0f;
@@ -167,14 +163,45 @@ _BODY = """
         float top = s;
 #pragma unroll
         for (int o = TPK; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-        const float m_new = fmaxf(m[g], top);
-        const float correction = expf(m[g] - m_new);
-        const float p = valid ? expf(s - m_new) : 0.0f;
-        l[g] = l[g] * correction + p;
+        if (top > m[g]) {
+          const float correction = rewind_exp2(m[g] - top);
+          l[g] *= correction;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[g][i] = acc[g][i] * correction + p * vc[i];
-        m[g] = m_new;
+          for (int i = 0; i < VEC; ++i) acc[g][i] *= correction;
+          m[g] = top;
+        }
+        const float p = valid ? rewind_exp2(s - m[g]) : 0.0f;
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] += p * vc[i];
       }
+    };
+    // warp w takes keys [lo + w * KPW, + KPW), then STRIDE further on, in that order; the
+    // next keys load (into the other pair of rows) while these are used
+    auto run_keys = [&](auto wide_flag) {
+      constexpr bool WIDE = decltype(wide_flag)::value;
+      float ka[VEC], va[VEC], kb[VEC], vb[VEC];
+      const int first_key = lo + warp * KPW;
+      int t = first_key + slot;
+      rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)t * D, ka, t < hi);
+      rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)t * D, va, t < hi);
+      for (int t0 = first_key; t0 < hi; t0 += 2 * STRIDE) {
+        const int here = t0 + slot;
+        const int next = here + STRIDE;
+        rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)next * D, kb, next < hi);
+        rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)next * D, vb, next < hi);
+        take(ka, va, here < hi);
+        if (t0 + STRIDE >= hi) break;  // the same for the whole warp
+        const int after = next + STRIDE;
+        rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)after * D, ka, after < hi);
+        rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)after * D, va, after < hi);
+        take(kb, vb, next < hi);
+      }
+    };
+    if (wide) {
+      run_keys(rewind_flag<true>{});
+    } else {
+      run_keys(rewind_flag<false>{});
     }
     // the key slots share the warp's maximum: their sums add (a butterfly, so every lane of a
     // slot ends with the same bits)
@@ -208,7 +235,8 @@ _BODY = """
       float o[PER];
       for (int i = 0; i < PER; ++i) o[i] = 0.0f;
       for (int w = 0; w < WARPS; ++w) {
-        const float f = warp_l[w * GROUP + g] > 0.0f ? expf(warp_m[w * GROUP + g] - top) : 0.0f;
+        const float wm = warp_m[w * GROUP + g];
+        const float f = warp_l[w * GROUP + g] > 0.0f ? (wm == top ? 1.0f : rewind_exp2(wm - top)) : 0.0f;
         sum += warp_l[w * GROUP + g] * f;
         for (int i = 0; i < PER; ++i) o[i] += warp_acc[(w * GROUP + g) * D + lane * PER + i] * f;
       }
@@ -238,7 +266,7 @@ _COMBINE_SOURCE = """
     for (int i = 0; i < PER; ++i) o[i] = 0.0f;
     for (int s = 0; s < spans; ++s) {
       const size_t at = head * spans + s;
-      const float f = part_l[at] > 0.0f ? expf(part_m[at] - top) : 0.0f;
+      const float f = part_l[at] > 0.0f ? (part_m[at] == top ? 1.0f : rewind_exp2(part_m[at] - top)) : 0.0f;
       sum += part_l[at] * f;
       for (int i = 0; i < PER; ++i) o[i] += part_o[at * D + lane * PER + i] * f;
     }
@@ -269,7 +297,7 @@ def _combine_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="rewind_decode_attention_combine",
         input_names=["part_o", "part_m", "part_l", "length"],
-        output_names=["out"], source=_COMBINE_SOURCE)
+        output_names=["out"], source=_COMBINE_SOURCE, header=_HEADER)
 
 
 # (dtype, head size, query heads, key-value heads) of each call this process made: warm_kernels
@@ -299,10 +327,12 @@ def warm_kernels() -> int:
 def _elements_per_lane(dim: int, group: int) -> int:
     """Up to 8 (16 bytes of bf16) where D / that many lanes can share a key (D 32, 64, 128 or
     256), fewer for wide groups (a lane holds GROUP x it elements of the queries and as many of
-    the outputs: at most 32 each, or registers spill); never under D / 32 (a whole warp a key)."""
+    the outputs: at most 16 each, ~80 registers, three blocks an SM); never under D / 32 (a
+    whole warp a key). Llama-3.2-1B's groups of 4 at D 64: 4 elements, 0.245 ms at 32 rows of
+    4,096 keys against 0.261 for 8 and 0.329 for 2 (H100, f1d3081)."""
     if dim not in (32, 64, 128, 256):
         return dim // 32
-    return max(dim // 32, min(8, 32 // group))
+    return max(dim // 32, min(8, 16 // group))
 
 
 def _partials_bytes(group: int, dim: int) -> int:
