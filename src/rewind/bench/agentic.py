@@ -5,23 +5,34 @@ previous assistant answer (its reasoning dropped, as agents do) and a tool resul
 tokens, so the prompt grows past 8k tokens. Per turn and server: time to first token, end-to-end
 time, and prompt tokens recomputed: from usage.prompt_tokens_details.cached_tokens where the
 server reports it, and derived from timing (TTFT x the server's own cold prefill rate).
+
+--random-model SHAPE runs every server on random weights of a real shape (timing only, where no
+weights can be fetched, e.g. a lent GPU machine): a bf16 folder for Rewind and its F16 GGUF for
+llama-server (decode_scaling_models.build_served_model). Random weights never end a turn on
+purpose, but may pick an end-of-sequence id, on one server and not another: every request then
+bans those ids, so each turn generates --max-tokens tokens on every server (a note names any
+turn that did not). Its tokenizer makes ~2.5x more tokens of the same text than a real one:
+scale --system-tokens, --tool-tokens and --answer-tokens by 0.4 for the usual prompt sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from rewind.bench.report import Plot, Report, Table, fmt_spread, spread
-from rewind.bench.servers import ServerOptions, describe_server
+from rewind.bench.decode_scaling_models import QUICK_SHAPES, SHAPES, build_served_model
+from rewind.bench.servers import ModelFiles, ServerOptions, describe_server, resolve_model_files
 from rewind.bench.sidebyside import (CONCURRENCY_NOTE, FAIRNESS, ServerRun, add_common_args,
                                      command_line, model_files, out_stem, run_servers,
-                                     server_commands, server_log_dir, startup_table)
+                                     server_commands, server_log_dir, server_of, startup_table)
 from rewind.bench.textgen import AgenticText, Turn, agent_messages
 
 NAME = "agentic"
@@ -40,6 +51,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="generated per turn")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--random-model", choices=sorted({**SHAPES, **QUICK_SHAPES}),
+                        default=None,
+                        help="random weights of this shape in place of --model (bf16; for a "
+                             "Llama shape an F16 GGUF beside them for llama-server); every "
+                             "request bans the end-of-sequence ids")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where --random-model's folder is built, once (default: "
+                             "~/.cache/rewind/bench-models/random)")
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -60,15 +79,46 @@ def session_script(args: argparse.Namespace, session: int) -> tuple[str, list[Tu
     return task, turns
 
 
-def make_workload(args: argparse.Namespace, system: str, scripts: list[tuple[str, list[Turn]]]):
+def random_model_files(args: argparse.Namespace) -> ModelFiles:
+    """--random-model's folder (built once) and, for a Llama shape, its model.gguf."""
+    from rewind.paths import cache_home
+
+    work_dir = args.work_dir or cache_home() / "bench-models" / "random"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    folder = build_served_model(args.random_model, work_dir)
+    files = resolve_model_files(str(folder))
+    return ModelFiles(name=f"random {args.random_model}", mlx_folder=files.mlx_folder,
+                      gguf=files.gguf)
+
+
+def request_extras(args: argparse.Namespace, model: ModelFiles,
+                   name: str) -> dict[str, Any] | None:
+    """More request fields for server `name`: with random weights, the end-of-sequence ids
+    banned. OpenAI's logit_bias for every server (-100, the most Rewind takes: a random model's
+    logits span about +-10, so the id is never picked), and llama-server's own ignore_eos too
+    (its -inf on every end-of-generation id it knows)."""
+    if args.random_model is None:
+        return None
+    config = json.loads((model.mlx_folder / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    extra: dict[str, Any] = {"logit_bias": {str(int(token)): -100.0 for token in ids}}
+    if server_of(name).startswith("llama.cpp"):
+        extra["ignore_eos"] = True
+    return extra
+
+
+def make_workload(args: argparse.Namespace, system: str, scripts: list[tuple[str, list[Turn]]],
+                  model: ModelFiles):
     def workload(run: ServerRun) -> list[dict[str, Any]]:
         bar = tqdm(total=len(scripts) * args.turns, desc=f"{run.name} r{run.repeat}",
                    unit="turn", leave=False)
+        extra = request_extras(args, model, run.name)
 
         # One stream alone first: the server's idle decode step, the yardstick for the gaps
         # between a stream's tokens while other sessions prefill.
         idle = run.chat(run.client(), agent_messages(system, "Count to fifty.", []),
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, extra_body=extra)
         idle_row = {**turn_record(-1, -1, idle, None), "idle": True}
 
         def one_session(session: int) -> list[dict[str, Any]]:
@@ -77,7 +127,8 @@ def make_workload(args: argparse.Namespace, system: str, scripts: list[tuple[str
             rows = []
             for turn_index in range(args.turns):
                 messages = agent_messages(system, task, turns[:turn_index])
-                timing = run.chat(client, messages, max_tokens=args.max_tokens)
+                timing = run.chat(client, messages, max_tokens=args.max_tokens,
+                                  extra_body=extra)
                 rows.append(turn_record(session, turn_index, timing, run.prefill_tps))
                 bar.update(1)
             return rows
@@ -216,6 +267,19 @@ def summarize(records: list[dict[str, Any]], names: list[str], turns: int) -> tu
     return summary, tables, plots
 
 
+def short_turns(records: list[dict[str, Any]], max_tokens: int) -> list[str]:
+    """A note per server with turns that generated other than max_tokens tokens: their decode
+    time is not comparable with another server's full turns."""
+    short: dict[str, list[dict]] = defaultdict(list)
+    for record in records:
+        if not record.get("idle") and record["completion_tokens"] != max_tokens:
+            short[record["server"]].append(record)
+    return [f"{name}: {len(rows)} turns generated other than {max_tokens} tokens (finish "
+            f"reasons {sorted({str(r['finish_reason']) for r in rows})}, completion tokens "
+            f"{sorted({r['completion_tokens'] for r in rows}, key=str)})"
+            for name, rows in short.items()]
+
+
 def _sum_or_none(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows]
     if any(v is None for v in values):
@@ -227,12 +291,23 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         apply_quick(args)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
-    model = model_files(args)
+    model = random_model_files(args) if args.random_model else model_files(args)
     system = AgenticText(SYSTEM_SEED).system_prompt(args.system_tokens)
     scripts = [session_script(args, s) for s in range(args.sessions)]
     options = ServerOptions(parallel=args.parallel, context=args.context,
                             extra_rewind_args=tuple(args.rewind_arg))
     log_dir = server_log_dir()
+
+    fairness = FAIRNESS + [CONCURRENCY_NOTE]
+    gguf = "the Q4_K_M GGUF"
+    if args.random_model:
+        gguf = "the F16 GGUF of the same random weights"
+        fairness = [f"Same weights: random ones of the {args.random_model} shape, bf16 for "
+                    "Rewind, the same values as an F16 GGUF for llama-server (timing only: the "
+                    "text is random).",
+                    *FAIRNESS[1:], CONCURRENCY_NOTE,
+                    "Every request bans the end-of-sequence ids (logit_bias -100; llama-server "
+                    "also ignore_eos), so every turn generates max_tokens tokens."]
 
     def write(records: list[dict], runs: dict, notes: list[str]) -> list:
         summary, tables, plots = summarize(records, names, args.turns)
@@ -241,16 +316,18 @@ def run(args: argparse.Namespace) -> int:
             params={"model": model.name, "sessions": args.sessions, "turns": args.turns,
                     "system_tokens": args.system_tokens, "tool_tokens": args.tool_tokens,
                     "answer_tokens": args.answer_tokens, "max_tokens": args.max_tokens,
-                    "parallel": args.parallel, "repeats": args.repeats},
-            servers={n: describe_server(n) for n in names},
-            fairness=FAIRNESS + [CONCURRENCY_NOTE],
+                    "parallel": args.parallel, "repeats": args.repeats,
+                    "random_model": args.random_model},
+            servers={n: describe_server(n, gguf) for n in names},
+            fairness=fairness,
             records=records, summary={"per_server": summary, "runs": runs},
             tables=[*tables, startup_table(runs)], plots=plots,
-            notes=notes, commands=server_commands(runs)).write(
+            notes=[*notes, *short_turns(records, args.max_tokens)],
+            commands=server_commands(runs)).write(
                 args.out, out_stem(NAME, args.quick, args.tag))
 
     records, runs, notes = run_servers(
-        args, names, model, lambda name: options, make_workload(args, system, scripts),
+        args, names, model, lambda name: options, make_workload(args, system, scripts, model),
         calibrate_tokens=32 if args.quick else 1024, log_dir=log_dir, on_progress=write)
     for path in write(records, runs, notes):
         print(path)

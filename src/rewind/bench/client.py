@@ -43,8 +43,10 @@ def make_client(base_url: str, timeout: float = 900.0) -> OpenAI:
 
 
 def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int | None,
-               model: str = "default", seed: int = 0) -> ChatTiming:
-    """Greedy (temperature 0), streamed. `max_tokens=None` lets the model stop naturally."""
+               model: str = "default", seed: int = 0,
+               extra_body: dict[str, Any] | None = None) -> ChatTiming:
+    """Greedy (temperature 0), streamed. `max_tokens=None` lets the model stop naturally.
+    `extra_body`: more request fields (a logit_bias, a server's own options)."""
     started = time.perf_counter()
     first_text_at: float | None = None
     first_chunk_at: float | None = None
@@ -57,7 +59,7 @@ def timed_chat(client: OpenAI, messages: list[dict[str, Any]], max_tokens: int |
         extra["max_tokens"] = max_tokens
     stream = client.chat.completions.create(
         model=model, messages=messages, temperature=0.0, seed=seed, stream=True,
-        stream_options={"include_usage": True}, **extra)
+        stream_options={"include_usage": True}, extra_body=extra_body, **extra)
     chunk_times: list[float] = []
     for chunk in stream:
         now = time.perf_counter()

@@ -78,7 +78,9 @@ def write_f16_gguf(folder: Path, out: Path) -> Path:
             tokens.append(f"[PAD{index}]")
             types.append(gguf.TokenType.UNUSED)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    # GPT-2's split, the one the tiny tokenizer's byte-level pre-tokenizer makes (llama.cpp's
+    # "default" splits punctuation and digits apart first): the same text, the same tokens.
+    writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m)

@@ -8,7 +8,10 @@ fetch real ones.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,54 @@ def build_model(name: str, family: str, overrides: dict[str, Any], work_dir: Pat
     if not (folder / "config.json").exists():
         build_tiny_model(family, folder, overrides=overrides)
     return load_model(str(folder))
+
+
+def build_served_model(shape: str, work_dir: Path) -> Path:
+    """A random-weight bf16 model folder of this shape for the side-by-side servers (`rewind
+    bench agentic --random-model`): every id of its head a token that decodes to text, and for a
+    Llama shape llama.cpp's F16 GGUF beside the weights as model.gguf (what
+    servers.resolve_model_files takes). Built once: an existing folder is reused.
+
+    The tiny tokenizer (512 ids) and its ChatML template with <think> tags serve both Rewind
+    and llama-server (--jinja --chat-template-file).
+    """
+    from rewind.bench.decode_scaling_llama_cpp import write_f16_gguf
+    from rewind.testing.tiny_models import build_tiny_model
+
+    family, overrides = {**SHAPES, **QUICK_SHAPES}[shape]
+    folder = work_dir / f"{shape}-bf16-served"
+    if folder.is_dir():
+        return folder  # renamed into place only once complete
+    partial = work_dir / f".{folder.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    build_tiny_model(family, partial, overrides=overrides, dtype="bfloat16")
+    pad_vocabulary(partial, int(json.loads((partial / "config.json").read_text())["vocab_size"]))
+    if family == "llama":
+        write_f16_gguf(partial, partial / "model.gguf")
+    os.replace(partial, folder)
+    return folder
+
+
+def pad_vocabulary(folder: Path, size: int) -> None:
+    """Gives every id below `size` a token in tokenizer.json: " w<id>", never made by encoding
+    (the pre-tokenizer splits letters from digits, and no merge makes it), decoded to text.
+
+    Why: the random head picks ids all over a real vocabulary, and ids without a token decode to
+    nothing on Rewind and on llama-server (llama.cpp's padding tokens are UNUSED, which it
+    prints as nothing), so nearly every token would stream no text, and the time to the first
+    text and the gaps between tokens could not be measured.
+    """
+    path = folder / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    taken = set(vocab.values()) | {token["id"] for token in tokenizer.get("added_tokens", [])}
+    for index in range(size):
+        if index not in taken:
+            name = f"\u0120w{index}"  # byte-level BPE's spelling of " w<id>"
+            if name in vocab:
+                raise ValueError(f"{name!r} is already a token of {path}")
+            vocab[name] = index
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False))
 
 
 def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -3,6 +3,7 @@ PNG plots (matplotlib, headless), all under one stem in the output folder."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -101,7 +102,14 @@ class Report:
     def write(self, folder: Path, stem: str) -> list[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
-        for plot in self.plots:
+        plots = self.plots
+        if importlib.util.find_spec("matplotlib") is None:
+            # A lent GPU machine's python may lack it, and a bench there must still leave its
+            # tables and records (this is called after every server, not just at the end).
+            plots = []
+            if self.plots and "plots not drawn: matplotlib is not installed" not in self.notes:
+                self.notes.append("plots not drawn: matplotlib is not installed")
+        for plot in plots:
             if any(xs for xs, _ in plot.series.values()):
                 written.append(plot.save(folder / f"{stem}-{plot.filename}"))
         payload = {

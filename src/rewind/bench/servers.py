@@ -37,6 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 # Where scripts/install-llama-cpp.sh puts llama-server, llama-bench and llama-perplexity (bin/),
 # VERSION, and
 # BUILD_FLAGS: the CPU flags they were built with and why, written once they passed a smoke run.
+# Or where scripts/llama-cpp-cuda.sh put its CUDA llama-server and llama-batched-bench (bin/) and
+# VERSION (see llama_cpp_is_cuda).
 LLAMA_CPP_PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX",
                                        REPO_ROOT / ".bench-venvs" / "llama-cpp"))
 INSTALL_LLAMA_CPP = REPO_ROOT / "scripts" / "install-llama-cpp.sh"
@@ -181,11 +183,28 @@ def llama_cpp_binary(name: str) -> Path:
     return LLAMA_CPP_PREFIX / "bin" / name
 
 
+# What scripts/llama-cpp-cuda.sh builds, and what the serving benches need of either build.
+LLAMA_CPP_CUDA_BINARIES = ("llama-server", "llama-batched-bench")
+LLAMA_SERVER = ("llama-server",)
+
+
+def llama_cpp_is_cuda() -> bool:
+    """Whether LLAMA_CPP_PREFIX holds scripts/llama-cpp-cuda.sh's build: its VERSION names the
+    CUDA architectures, a line that script writes only after its binaries built and were copied
+    in (it has no smoke run, so no BUILD_FLAGS)."""
+    version = LLAMA_CPP_PREFIX / "VERSION"
+    return version.is_file() and any(line.startswith("CUDA architectures:")
+                                     for line in version.read_text().splitlines())
+
+
 def llama_cpp_installed(names: tuple[str, ...] = LLAMA_CPP_BINARIES[:2]) -> bool:
     """These binaries built, and smoke-run here by the install script (BUILD_FLAGS is written only
-    then: a build that dies on this CPU is not taken for one that runs)."""
-    return (all(os.access(llama_cpp_binary(name), os.X_OK) for name in names)
-            and (LLAMA_CPP_PREFIX / "BUILD_FLAGS").is_file())
+    then: a build that dies on this CPU is not taken for one that runs). In a CUDA build's
+    prefix: these binaries among the ones it builds, built (its VERSION stands for BUILD_FLAGS)."""
+    built = all(os.access(llama_cpp_binary(name), os.X_OK) for name in names)
+    if llama_cpp_is_cuda():
+        return built and set(names) <= set(LLAMA_CPP_CUDA_BINARIES)
+    return built and (LLAMA_CPP_PREFIX / "BUILD_FLAGS").is_file()
 
 
 def llama_cpp_build_flags() -> str | None:
@@ -202,8 +221,8 @@ def llama_cpp_build_flags() -> str | None:
 
 def llama_cpp_version() -> str | None:
     """What was built: the llama-cpp-python sdist it came from, llama.cpp's own version line
-    (build number and commit) and the CPU flags it was built with, one line; None when nothing
-    is built."""
+    (build number and commit) and the CPU flags it was built with (a CUDA build: its compiler
+    and CUDA architectures), one line; None when nothing is built."""
     version = LLAMA_CPP_PREFIX / "VERSION"
     if not version.exists():
         return None
@@ -256,7 +275,9 @@ def llama_server_argv(gguf: Path, template: Path, options: ServerOptions, port: 
     splits its context evenly across the slots, so it gets the per-sequence context times the
     slots. --jinja with the model's own chat template. Everything else is llama.cpp's default:
     threads, batch sizes, its prompt cache in host memory (--cache-ram) and the context
-    checkpoints it takes for sliding-window models.
+    checkpoints it takes for sliding-window models. No -ngl for a CUDA build either: this
+    llama.cpp's default (common.h: n_gpu_layers = -1, "auto") offloads every layer
+    (llama_model::n_gpu_layers) unless its --fit (on by default) finds they do not fit.
     """
     return [str(llama_cpp_binary("llama-server")), "-m", str(gguf),
             "-np", str(options.parallel), "-c", str(options.context * options.parallel),
@@ -303,7 +324,7 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
     if name in ("llama.cpp", "llama.cpp-spec"):
         if model.gguf is None:
             raise ServerUnavailable(f"no GGUF for model {model.name!r}: llama.cpp needs one")
-        if not llama_cpp_installed():
+        if not llama_cpp_installed(LLAMA_SERVER):
             raise ServerUnavailable(f"llama-server not built (or not smoke-run) in "
                                     f"{display_path(LLAMA_CPP_PREFIX)} "
                                     f"(bash {display_path(INSTALL_LLAMA_CPP)})")
@@ -315,8 +336,8 @@ def build_server(name: str, model: ModelFiles, options: ServerOptions, port: int
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVER_NAMES)}")
 
 
-def describe_server(name: str) -> str:
-    """One line for the report: what ran and on which weights."""
+def describe_server(name: str, gguf: str = "the Q4_K_M GGUF") -> str:
+    """One line for the report: what ran and on which weights (llama.cpp: `gguf`)."""
     return {
         "rewind": "rewind serve (prompt cache: RAM hot tier + disk tier); on the CPU the GGUF's "
                   "blocks read in place (--cpu-weights auto), elsewhere the MLX folder",
@@ -333,7 +354,7 @@ def describe_server(name: str) -> str:
         "mlx-lm": "mlx_lm server (its own in-memory prompt cache), same MLX weights (on CPU: "
                   "a float32 copy of the folder, as Rewind's loader computes in float32)",
         "llama.cpp": f"llama-server ({llama_cpp_version() or 'not built'}), built from source, "
-                     "on the Q4_K_M GGUF: -np as the workload's parallelism, -c that context "
+                     f"on {gguf}: -np as the workload's parallelism, -c that context "
                      "for every slot, --jinja with the MLX folder's chat template, llama.cpp's "
                      "defaults otherwise (its --cache-ram prompt cache and context checkpoints)",
     }.get(name, name)

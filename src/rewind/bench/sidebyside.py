@@ -22,9 +22,9 @@ from rewind.bench.report import Table, fmt_spread, spread
 from rewind.bench.machine import command_line  # noqa: F401  (re-exported for the workloads)
 from rewind.bench.harness import (RssSampler, ServerProcess, ServerStartError, free_port,
                                   stop_all_servers)
-from rewind.bench.servers import (SERVER_NAMES, ModelFiles, ServerOptions, ServerUnavailable,
-                                  build_server, describe_server, ensure_llama_cpp,
-                                  resolve_model_files)
+from rewind.bench.servers import (LLAMA_SERVER, SERVER_NAMES, ModelFiles, ServerOptions,
+                                  ServerUnavailable, build_server, describe_server,
+                                  ensure_llama_cpp, resolve_model_files)
 from rewind.bench.textgen import AgenticText
 
 DEFAULT_OUT = Path("benchmarks/results")
@@ -86,9 +86,10 @@ class ServerRun:
     def client(self):
         return make_client(self.server.base_url)
 
-    def chat(self, client, messages: list[dict[str, Any]], max_tokens: int | None):
+    def chat(self, client, messages: list[dict[str, Any]], max_tokens: int | None,
+             extra_body: dict[str, Any] | None = None):
         return timed_chat(client, messages, max_tokens=max_tokens,
-                          model=self.server.model_id or "default")
+                          model=self.server.model_id or "default", extra_body=extra_body)
 
 
 WorkloadFn = Callable[[ServerRun], list[dict[str, Any]]]
@@ -165,7 +166,8 @@ def run_servers(args: argparse.Namespace, names: list[str], model: ModelFiles,
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if any(server_of(n).startswith("llama.cpp") for n in names) and model.gguf is not None:
         try:
-            ensure_llama_cpp(install=args.install_llama_cpp)
+            # llama-server is what these benches run (a CUDA build has no llama-bench).
+            ensure_llama_cpp(install=args.install_llama_cpp, names=LLAMA_SERVER)
         except ServerUnavailable as exc:
             print(f"skipping llama.cpp: {exc}", file=sys.stderr)
     records: list[dict[str, Any]] = []
