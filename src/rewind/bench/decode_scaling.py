@@ -69,15 +69,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128,
                         help="decode steps in each timed window")
     parser.add_argument("--parts", nargs="+", default=["engine", "greedy", "mlx-lm", "http"],
-                        choices=["engine", "uncompiled", "compiled", "unfused", "greedy", "mlx-lm",
+                        choices=["engine", "uncompiled", "compiled", "fused", "unfused", "greedy",
+                                 "mlx-lm",
                                  "http", "kernels", "llama-cpp"],
                         help="engine: Rewind's Engine as served, greedy with a logit bias "
                              "against EOS; uncompiled / compiled: the same engine with "
                              "REWIND_COMPILED_DECODE off / on, each stream count right after "
                              "the engine's (one process: these machines' host speed varies "
-                             "between processes); unfused: a second engine on the same weights "
-                             "loaded with REWIND_FUSED_PROJECTIONS=off, each stream count right "
-                             "after the first engine's; "
+                             "between processes); fused / unfused: another engine on the same "
+                             "weights loaded with REWIND_FUSED_PROJECTIONS=on / off, each stream "
+                             "count right after the first engine's; "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
                              "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py); "
@@ -139,16 +140,20 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     engine.start()
     chunk_tokens = engine.runner.chunk_tokens
     seed = 0
-    unfused = None
-    if "unfused" in args.parts:  # the same folder loaded again, each projection its own product
-        with env.overridden({env.FUSED_PROJECTIONS: "off"}):
-            loaded_unfused = build_model(name, family, overrides, work_dir)
-        entry["compute_unfused"] = describe_compute(loaded_unfused.model)
-        unfused = Engine(loaded_unfused, EngineConfig(parallel=max(streams),
-                                                      max_queue=4 * max(streams)),
-                         prompt_cache=PromptCache(loaded_unfused.model, loaded_unfused.fingerprint,
-                                                  CacheConfig()))
-        unfused.start()
+    # the same folder loaded again with the sibling projections fused or not, whatever the
+    # served default is (rewind.models.fused_projections)
+    projections: dict[str, Any] = {}
+    for part, setting in (("fused", "on"), ("unfused", "off")):
+        if part in args.parts:
+            with env.overridden({env.FUSED_PROJECTIONS: setting}):
+                other = build_model(name, family, overrides, work_dir)
+            entry[f"compute_{part}"] = describe_compute(other.model)
+            projections[part] = Engine(other, EngineConfig(parallel=max(streams),
+                                                           max_queue=4 * max(streams)),
+                                       prompt_cache=PromptCache(other.model, other.fingerprint,
+                                                                CacheConfig()))
+            projections[part].start()
+            del other
 
     def prompts(count: int, length: int | None = None) -> list[list[int]]:
         nonlocal seed
@@ -179,9 +184,9 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                     with env.overridden({env.COMPILED_DECODE: setting}):
                         for count in streams:
                             run_engine(engine, prompts(count, 64), 8, chunk_tokens, bias)
-            if unfused is not None:
+            for other_engine in projections.values():
                 for count in streams:
-                    run_engine(unfused, prompts(count, 64), 8, chunk_tokens, bias)
+                    run_engine(other_engine, prompts(count, 64), 8, chunk_tokens, bias)
             # the attention kernel's spans (contexts past one span), as the server's warm-up
             from rewind.kernels import cuda_attention
             cuda_attention.warm_kernels()
@@ -197,9 +202,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                     with env.overridden({env.COMPILED_DECODE: setting}):
                         record(part, count, run_engine(engine, prompts(count),
                                                        args.decode_tokens, chunk_tokens, bias))
-            if unfused is not None and not deadline.passed():
-                record("unfused", count, run_engine(unfused, prompts(count), args.decode_tokens,
-                                                    chunk_tokens, bias))
+            for part, other_engine in projections.items():
+                if not deadline.passed():
+                    record(part, count, run_engine(other_engine, prompts(count),
+                                                   args.decode_tokens, chunk_tokens, bias))
             if "greedy" in args.parts and not deadline.passed():
                 record("greedy", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, None))
@@ -216,10 +222,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                                           "pipelined_steps", "compiled_decode_steps")}
     finally:
         engine.shutdown()
-        if unfused is not None:
-            unfused.shutdown()
+        for other_engine in projections.values():
+            other_engine.shutdown()
     folder = loaded.path
-    del engine, loaded, unfused
+    del engine, loaded, projections
     mx.clear_cache()
 
     if "kernels" in args.parts and not deadline.passed():

@@ -49,6 +49,7 @@ def markdown(report: dict[str, Any]) -> str:
         settings = [(part, title) for part, title in (
             ("uncompiled", "Rewind engine, plain decode step (EOS bias)"),
             ("compiled", "Rewind engine, compiled decode step (EOS bias)"),
+            ("fused", "Rewind engine, q/k/v and gate/up fused (EOS bias)"),
             ("unfused", "Rewind engine, q/k/v and gate/up unfused (EOS bias)"))
             if any(part in parts for parts in entry["rows"].values())]
         header[2:2] = [title for _, title in settings]
@@ -87,7 +88,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{sizes.bound_tok_s(n, context, hbm):,.0f} tok/s")
         per_step = [(count, part, parts[part]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
-                    for part in ("engine", "uncompiled", "compiled", "unfused")
+                    for part in ("engine", "uncompiled", "compiled", "fused", "unfused")
                     if part in parts and parts[part].get("per_step", {}).get("steps")]
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "
