@@ -133,17 +133,3 @@ def test_the_loader_fuses_on_cuda_and_says_so_in_the_fingerprint(tiny_model_path
                                np.array(separate.model(tokens).astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
 
-
-def test_auto_leaves_models_with_linear_attention_layers_alone(tiny_model_path, monkeypatch):
-    """auto: hybrids keep their projections apart (measured slower fused on an H100); `on`
-    fuses them too."""
-    qwen, _ = load_mlx_model(tiny_model_path("qwen3_5"))
-    llama, _ = load_mlx_model(tiny_model_path("llama"))
-    assert fused_projections._has_recurrent_layers(qwen)
-    assert not fused_projections._has_recurrent_layers(llama)
-    monkeypatch.delenv("REWIND_FUSED_PROJECTIONS", raising=False)
-    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    assert fused_projections.wanted(llama) is on_cuda
-    assert not fused_projections.wanted(qwen)
-    monkeypatch.setenv("REWIND_FUSED_PROJECTIONS", "on")
-    assert fused_projections.wanted(qwen)

@@ -86,8 +86,8 @@ COMPILED_DECODE = Var("REWIND_COMPILED_DECODE",
 FUSED_PROJECTIONS = Var("REWIND_FUSED_PROJECTIONS",
                         "an attention layer's q/k/v projections and an MLP's gate/up ones run as "
                         "one matrix product each (rewind.models.fused_projections): auto (the "
-                        "default) with MLX's CUDA backend for models without linear-attention "
-                        "layers, off elsewhere; on (any GPU backend); off",
+                        "default) with MLX's CUDA backend, off elsewhere; on (any GPU backend); "
+                        "off",
                         ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",

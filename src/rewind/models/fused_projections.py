@@ -23,11 +23,13 @@ loads without it. Answers: each output column is the same dot product, but the p
 (its tiling) may round differently from the separate ones', so the fused layers' form is part of
 the prompt cache's fingerprint (rewind.models.loader).
 
-REWIND_FUSED_PROJECTIONS: auto (the default) is on with MLX's CUDA backend for models whose
-layers all keep KV caches, off elsewhere; on (any GPU backend; Metal is not measured); off. Why
-not for hybrids: on an H100 (30f33af, decode-scaling --parts unfused, one run) Llama-3.2-1B's
-median step was 6-12% shorter fused at 1 / 8 / 32 streams, Qwen 3.5 0.8B's (linear-attention
-layers) 5-8% longer at 1 and 32, for a reason not yet traced.
+REWIND_FUSED_PROJECTIONS: auto (the default) is on with MLX's CUDA backend, off elsewhere; on
+(any GPU backend; Metal is not measured); off. Measured on an H100, each form an engine of its
+own in one process (`rewind bench decode-scaling --parts fused / unfused`): Llama-3.2-1B's median
+step 7-22% shorter fused at 8 and 32 streams in two runs (at one stream 6% shorter in one, 24%
+longer in the other, whose tokens/s were still 287 fused against 242). Qwen 3.5 0.8B's favoured
+whichever engine ran second, in both orders (30f33af: unfused second, 5-8% shorter; 3896784:
+fused second, 5-13% shorter): the order in the process, not the fusion, so hybrids fuse too.
 """
 
 from __future__ import annotations
@@ -87,26 +89,12 @@ class FusedPart(nn.Module):
         return self._shared.part(self._index, x)
 
 
-def wanted(model: nn.Module | None = None) -> bool:
-    """REWIND_FUSED_PROJECTIONS for `model`: auto means on with MLX's CUDA backend unless the
-    model has layers whose cache is not a KV cache (linear attention)."""
+def wanted() -> bool:
+    """REWIND_FUSED_PROJECTIONS: auto means on with MLX's CUDA backend."""
     setting = env.fused_projections()
     if setting == "auto":
-        return (mx.default_device() == mx.gpu and mx.cuda.is_available()
-                and not (model is not None and _has_recurrent_layers(model)))
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
     return setting == "on"
-
-
-def _has_recurrent_layers(model: nn.Module) -> bool:
-    """Whether any layer's cache (mlx-lm's make_cache) holds state other than keys and values:
-    an ArraysCache (Qwen 3.5's, Mamba's) or anything without a KV's keys."""
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-
-    try:
-        caches = make_prompt_cache(model)
-    except Exception:  # noqa: BLE001 - a model mlx-lm cannot make a cache for: leave it as is
-        return True
-    return any(isinstance(c, ArraysCache) for c in caches)
 
 
 def fused_name(names: tuple[str, ...]) -> str:

@@ -167,7 +167,7 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
         if fuse_projections:
             from rewind.models import fused_projections
 
-            if fused_projections.wanted(model):
+            if fused_projections.wanted():
                 fused_projections.use_in_model(model)
         if mx.cuda.is_available():
             from rewind.kernels import cuda_attention, shifted_conv
