@@ -40,7 +40,7 @@ Costs to know: a new row count or capacity is traced once (a step's Python build
 serving step; rows are not bucketed), MLX keeps every trace while the runner lives, and
 settings read inside the step (REWIND_CUDA_ATTENTION, REWIND_GATED_DELTA) take effect for
 shapes traced after they change. On CUDA a view's attention is always Rewind's kernel (spans of
-256 keys a block, so a lone long row still fills the GPU), where the plain call gives an
+1,024 keys a block, so a lone long row still fills the GPU), where the plain call gives an
 unpadded batch to MLX's fused attention, which is faster at long contexts with many rows
 (docs/HARDWARE.md).
 """

@@ -46,7 +46,8 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # 1,024: with keys shared by lanes (f1d3081, H100, benchmarks/probes/sdpa_mask_cost.py), summed
 # over seven cases of Llama-3.2-1B heads 0.67 ms against 0.79 for spans of 256 (32 rows of
 # 4,096 keys 0.238 / 0.258, one block 0.187; MLX unmasked 0.102); Qwen 3.5's 0.58 either way,
-# where one block a head left a lone row of 32,768 keys at 0.204 against 0.071 in spans.
+# where one block a head left a lone row of 32,768 keys at 0.204 against 0.071 in spans. With
+# 33dadea's loop: 32 rows of 4,096 keys 0.176-0.184 ms, one block 0.188, spans of 256 0.193.
 KEYS_PER_SPAN = 1024
 # Elements of a key each lane loads (None: _elements_per_lane's rule). D / this many lanes
 # share a key, so a warp takes 32 / (D / this) keys at once: 8 elements of Llama-3.2-1B's
