@@ -101,7 +101,8 @@ def test_groups_too_wide_for_a_block_keep_mlx() -> None:
 
 @cuda
 @pytest.mark.parametrize("heads,kv_heads,dim",
-                         [(32, 8, 64), (8, 2, 256), (4, 4, 128), (16, 1, 64), (8, 1, 128)])
+                         [(32, 8, 64), (8, 2, 256), (4, 4, 128), (16, 1, 64), (8, 1, 128),
+                          (24, 8, 128), (9, 3, 64), (15, 5, 64)])
 def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int) -> None:
     rng = np.random.default_rng(dim)
     batch, capacity, length = 5, 640, 500
@@ -167,23 +168,35 @@ def test_a_length_past_the_buffer_reads_only_the_buffer() -> None:
                               np.array(whole.astype(mx.float32)))
 
 
+def test_the_default_layout_fits_every_head_shape_the_kernel_takes() -> None:
+    """D / VEC lanes must divide a warp for every head size and group (groups of 3 or 5 once
+    gave VEC 5 or 3, which the kernel refused at every decode step)."""
+    for dim in range(32, 257, 32):
+        for group in range(1, 17):
+            vec = cuda_attention._elements_per_lane(dim, group)
+            assert cuda_attention._lanes_fit(dim, vec), (dim, group, vec)
+            assert dim // 32 <= vec <= 8 or dim // 32 > 8
+
+
 @cuda
-def test_buffers_off_a_16_byte_boundary_give_the_same_bits() -> None:
+@pytest.mark.parametrize("dtype,vec", [(mx.bfloat16, 8), (mx.float32, 4)])
+def test_buffers_off_a_16_byte_boundary_give_the_same_bits(dtype, vec) -> None:
     """Keys and values that start one element past an aligned address (a view into a larger
-    array) are read an element at a time, with the same arithmetic as the 16-byte loads."""
+    array) are read an element at a time, with the same arithmetic as the 16-byte loads (VEC
+    elements of this dtype are 16 bytes: the wide loop is built)."""
     rng = np.random.default_rng(3)
     shape = (2, 2, 96, 64)
     size = int(np.prod(shape))
-    flat = mx.array(rng.standard_normal(size + 1).astype(np.float32)).astype(mx.bfloat16)
+    flat = mx.array(rng.standard_normal(size + 1).astype(np.float32)).astype(dtype)
     shifted = flat[1:].reshape(shape)
-    aligned = mx.array(np.array(shifted.astype(mx.float32))).astype(mx.bfloat16)
-    q = mx.array(rng.standard_normal((2, 8, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
+    aligned = mx.array(np.array(shifted.astype(mx.float32))).astype(dtype)
+    q = mx.array(rng.standard_normal((2, 8, 1, 64)).astype(np.float32)).astype(dtype)
     starts = mx.array([0, 9], mx.int32)
     for keys_per_span in (1 << 20, 32):
         wide = cuda_attention.decode_attention(q, aligned, aligned, 96, starts, 0.125,
-                                               keys_per_span)
+                                               keys_per_span, elements_per_lane=vec)
         narrow = cuda_attention.decode_attention(q, shifted, shifted, 96, starts, 0.125,
-                                                 keys_per_span)
+                                                 keys_per_span, elements_per_lane=vec)
         assert np.array_equal(np.array(narrow.astype(mx.float32)),
                               np.array(wide.astype(mx.float32)))
 

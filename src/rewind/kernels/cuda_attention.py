@@ -115,7 +115,7 @@ _BODY = """
     const int hk = (blockIdx.x / spans) % HKV;
     const size_t capacity = (size_t)length[1];
     const int total = min(length[0], (int)capacity);  // never a slot after the buffer
-    const int first = max(starts[b], 0);  // never a slot before the buffer
+    const int first = min(max(starts[b], 0), total);  // never a slot outside the keys
     // spans are counted from the row's first key, so padding never moves a key to another span
     const int lo = SPLIT ? first + span * CHUNK : first;
     const int hi = SPLIT ? min(lo + CHUNK, total) : total;
@@ -328,12 +328,19 @@ def warm_kernels() -> int:
 def _elements_per_lane(dim: int, group: int) -> int:
     """Up to 8 (16 bytes of bf16) where D / that many lanes can share a key (D 32, 64, 128 or
     256), fewer for wide groups (a lane holds GROUP x it elements of the queries and as many of
-    the outputs: at most 16 each, ~80 registers, three blocks an SM); never under D / 32 (a
-    whole warp a key). Llama-3.2-1B's groups of 4 at D 64: 4 elements, 0.245 ms at 32 rows of
-    4,096 keys against 0.261 for 8 and 0.329 for 2 (H100, f1d3081)."""
+    the outputs: 16 each where D allows, ~80 registers, three blocks an SM); a power of two, so
+    that D / it lanes divide a warp (groups of 3 or 5 take 4 or 2); never under D / 32 (a whole
+    warp a key). Llama-3.2-1B's groups of 4 at D 64: 4 elements, 0.245 ms at 32 rows of 4,096
+    keys against 0.261 for 8 and 0.329 for 2 (H100, f1d3081)."""
     if dim not in (32, 64, 128, 256):
         return dim // 32
-    return max(dim // 32, min(8, 16 // group))
+    wanted = max(1, min(8, 16 // group))
+    return max(dim // 32, 1 << (wanted.bit_length() - 1))
+
+
+def _lanes_fit(dim: int, vec: int) -> bool:
+    """Whether D / vec lanes share a key within a warp (the kernel's layout)."""
+    return vec >= 1 and dim % vec == 0 and 32 % (dim // vec) == 0
 
 
 def _partials_bytes(group: int, dim: int) -> int:
@@ -374,7 +381,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
     vec = (_elements_per_lane(dim, query_heads // kv_heads) if elements_per_lane is None
            else elements_per_lane)
-    if vec < 1 or dim % vec or 32 % (dim // vec):
+    if not _lanes_fit(dim, vec):
         raise ValueError(f"elements_per_lane {vec}: D / it lanes must share a key, a divisor "
                          f"of 32 (D = {dim})")
     if isinstance(length, mx.array):
@@ -449,6 +456,7 @@ def _kernel_takes(queries: mx.array, cache: Any) -> bool:
     dim = queries.shape[-1]
     return (keys.shape == values.shape and keys.shape[-1] == dim and dim % 32 == 0
             and dim <= 256 and queries.shape[1] % keys.shape[1] == 0
+            and _lanes_fit(dim, _elements_per_lane(dim, queries.shape[1] // keys.shape[1]))
             and _partials_bytes(queries.shape[1] // keys.shape[1], dim) <= _SHARED_BYTES
             and keys.dtype == queries.dtype == values.dtype)
 
