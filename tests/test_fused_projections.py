@@ -92,6 +92,17 @@ def test_layers_that_differ_keep_their_own() -> None:
     assert type(module.q_proj) is nn.Linear and type(module.gate_proj) is nn.Linear
 
 
+def test_a_layer_sharing_another_layers_keys_keeps_its_projections() -> None:
+    """Gemma 3n's KV-shared attention calls only q_proj: fused, k and v would be computed for
+    nothing and their product held."""
+    module = nn.Module()
+    module.q_proj, module.k_proj, module.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+    module.is_kv_shared_layer = True
+    assert fused_projections.use_in_model(module) == 0
+    module.is_kv_shared_layer = False
+    assert fused_projections.use_in_model(module) == 1
+
+
 def test_a_part_holds_nothing_once_every_part_took_its_slice() -> None:
     module = nn.Module()
     module.gate_proj, module.up_proj = nn.Linear(8, 16), nn.Linear(8, 12)

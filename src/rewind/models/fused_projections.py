@@ -47,7 +47,8 @@ SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_
 
 class SharedProduct:
     """One fused layer and its last input's product, until every part has taken its slice (a
-    plain object: the fused layer is a child of the module that owned the parts, once)."""
+    plain object: the fused layer is a child of the module that owned the parts, once). One
+    thread runs a model at a time (the engine's), as with mlx-lm's caches."""
 
     def __init__(self, layer: nn.Module, widths: list[int]) -> None:
         self.layer = layer
@@ -147,9 +148,13 @@ def use_in_model(model: nn.Module) -> int:
     so memory grows by one module's projections at most). Returns the sets fused."""
     fused_sets = 0
     for _, module in model.named_modules():
+        # a layer that reuses another's keys and values (Gemma 3n's KV-shared layers) calls
+        # only q_proj: fused, it would compute k and v for nothing and hold the product
+        shares_kv = bool(getattr(module, "is_kv_shared_layer", False))
         for names in SIBLINGS:
             layers = [module.get(name) if isinstance(module, dict) else None for name in names]
-            if any(layer is None for layer in layers) or not _stackable(layers):
+            if (any(layer is None for layer in layers) or not _stackable(layers)
+                    or (shares_kv and "q_proj" in names)):
                 continue
             input_dims = _input_dims(layers[0])
             shared = SharedProduct(_stack(layers), [x.weight.shape[0] for x in layers])
