@@ -84,7 +84,7 @@ def install_mrope(model: Any, layers: Sequence[Any], mrope_section: Sequence[int
                   style: str) -> RopePositions:
     """Replace the rope of every layer in `layers` that has one (full attention; linear-attention
     layers have no positions) with a MultimodalRoPE; idempotent. Returns the model's holder."""
-    from rewind.models.loader import use_mlx_layers
+    from rewind.models.loader import is_cpu_backend, use_mlx_layers
 
     holder = install_positions_holder(model)
     for layer in layers:
@@ -97,5 +97,6 @@ def install_mrope(model: Any, layers: Sequence[Any], mrope_section: Sequence[int
                              "(expected mlx's plain RoPE)")
         attention.rope = MultimodalRoPE(int(rope.dims), float(rope.base), mrope_section, style,
                                         holder)
-    use_mlx_layers(model)  # the C kernels rotate by the cache offset, not these positions
+    if is_cpu_backend():  # the C kernels rotate by the cache offset, not these positions
+        use_mlx_layers(model)  # (a GPU runs MLX's layers already: nothing to undo there)
     return holder
