@@ -141,19 +141,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
     chunk_tokens = engine.runner.chunk_tokens
     seed = 0
     # the same folder loaded again with the sibling projections fused or not, whatever the
-    # served default is (rewind.models.fused_projections)
+    # served default is (rewind.models.fused_projections); started inside the try below
     projections: dict[str, Any] = {}
-    for part, setting in (("fused", "on"), ("unfused", "off")):
-        if part in args.parts:
-            with env.overridden({env.FUSED_PROJECTIONS: setting}):
-                other = build_model(name, family, overrides, work_dir)
-            entry[f"compute_{part}"] = describe_compute(other.model)
-            projections[part] = Engine(other, EngineConfig(parallel=max(streams),
-                                                           max_queue=4 * max(streams)),
-                                       prompt_cache=PromptCache(other.model, other.fingerprint,
-                                                                CacheConfig()))
-            projections[part].start()
-            del other
+    order: list[tuple[str, Any]] = []
+    other_engine = None
 
     def prompts(count: int, length: int | None = None) -> list[list[int]]:
         nonlocal seed
@@ -171,12 +162,22 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         save()
 
     try:
+        for part, setting in (("fused", "on"), ("unfused", "off")):
+            if part in args.parts:
+                with env.overridden({env.FUSED_PROJECTIONS: setting}):
+                    other = build_model(name, family, overrides, work_dir)
+                entry[f"compute_{part}"] = describe_compute(other.model)
+                projections[part] = Engine(
+                    other, EngineConfig(parallel=max(streams), max_queue=4 * max(streams)),
+                    prompt_cache=PromptCache(other.model, other.fingerprint, CacheConfig()))
+                projections[part].start()
+                del other
         # Warm-up: every batch size's kernels compiled (and cuDNN graphs built) before timing;
         # at each stream count, since MLX names a fused kernel by its inputs' kinds, and one row
         # makes some of them scalars (new kernels to build).
         warm = max(streams)
         compiled_parts = {"uncompiled": "off", "compiled": "on"}
-        if {"engine", "greedy", *compiled_parts} & set(args.parts):
+        if {"engine", "greedy", *compiled_parts, *projections} & set(args.parts):
             for count in streams:  # as served (compiled on CUDA): each count's shapes
                 run_engine(engine, prompts(count, 64), 8, chunk_tokens, bias)
             for part, setting in compiled_parts.items():
@@ -202,7 +203,10 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                     with env.overridden({env.COMPILED_DECODE: setting}):
                         record(part, count, run_engine(engine, prompts(count),
                                                        args.decode_tokens, chunk_tokens, bias))
-            for part, other_engine in projections.items():
+            # the forms take turns going first (the order within a process has moved a
+            # step's time as much as the fusion did)
+            order = list(projections.items())
+            for part, other_engine in (order if count % 2 else order[::-1]):
                 if not deadline.passed():
                     record(part, count, run_engine(other_engine, prompts(count),
                                                    args.decode_tokens, chunk_tokens, bias))
@@ -224,8 +228,11 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         engine.shutdown()
         for other_engine in projections.values():
             other_engine.shutdown()
+        # their models and caches off the GPU before the parts below
+        projections.clear()
+        order, other_engine = [], None
     folder = loaded.path
-    del engine, loaded, projections
+    del engine, loaded
     mx.clear_cache()
 
     if "kernels" in args.parts and not deadline.passed():
