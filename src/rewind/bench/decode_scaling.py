@@ -135,9 +135,15 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         "eos_bias": {str(k): v for k, v in bias.items()}, "rows": {}}
     report["models"][name] = entry
     streams = sorted(set(args.streams))
-    engine = Engine(loaded, EngineConfig(parallel=max(streams), max_queue=4 * max(streams)),
-                    prompt_cache=PromptCache(loaded.model, loaded.fingerprint, CacheConfig()))
-    engine.start()
+
+    def started_engine(model: Any) -> Any:
+        """An Engine serving `model` as the bench's every engine is configured, running."""
+        served = Engine(model, EngineConfig(parallel=max(streams), max_queue=4 * max(streams)),
+                        prompt_cache=PromptCache(model.model, model.fingerprint, CacheConfig()))
+        served.start()
+        return served
+
+    engine = started_engine(loaded)
     chunk_tokens = engine.runner.chunk_tokens
     seed = 0
     # the same folder loaded again with the sibling projections fused or not, whatever the
@@ -167,10 +173,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
                 with env.overridden({env.FUSED_PROJECTIONS: setting}):
                     other = build_model(name, family, overrides, work_dir)
                 entry[f"compute_{part}"] = describe_compute(other.model)
-                projections[part] = Engine(
-                    other, EngineConfig(parallel=max(streams), max_queue=4 * max(streams)),
-                    prompt_cache=PromptCache(other.model, other.fingerprint, CacheConfig()))
-                projections[part].start()
+                projections[part] = started_engine(other)
                 del other
         # Warm-up: every batch size's kernels compiled (and cuDNN graphs built) before timing;
         # at each stream count, since MLX names a fused kernel by its inputs' kinds, and one row
