@@ -34,7 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.getoption("--on-demand"):
         later = pytest.mark.skip(reason="on demand: pytest --on-demand")
         for item in items:
-            if "on_demand" in item.keywords:
+            # A module's ON_DEMAND_CASES names cases of a parametrized test by their id (where
+            # the parameters come from fixtures, a mark cannot be put on one combination).
+            cases = getattr(getattr(item, "module", None), "ON_DEMAND_CASES", ())
+            callspec = getattr(item, "callspec", None)
+            if "on_demand" in item.keywords or (callspec is not None and callspec.id in cases):
                 item.add_marker(later)
     if mx.default_device() == mx.cpu:
         return
