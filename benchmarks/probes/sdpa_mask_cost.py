@@ -61,8 +61,9 @@ def main() -> None:
                     row[f"kernel_span{keys_per_span}_ms"] = timed(
                         lambda: decode_attention(q, k, v, length, starts, scale, keys_per_span))
                 # elements of a key each lane loads: D / 32 (a whole warp a key, as the first
-                # kernel), 4, 8 (16 bytes of bf16)
-                for vec in sorted(v for v in {dim // 32, 4, 8} if dim // v <= 32):
+                # kernel), 4, 8 (16 bytes of bf16), 16 (two such loads: at D 256 the only way
+                # for a warp to take two keys at once; ~230 registers a thread, from ptxas)
+                for vec in sorted(v for v in {dim // 32, 4, 8, 16} if dim // v <= 32):
                     row[f"kernel_vec{vec}_ms"] = timed(
                         lambda: decode_attention(q, k, v, length, starts, scale,
                                                  elements_per_lane=vec))
