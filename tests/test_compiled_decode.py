@@ -230,7 +230,8 @@ def test_the_step_writes_the_kv_buffers_in_place(tiny_model_path) -> None:
         for _ in range(6):
             assert step.takes(segment)
             mx.eval(step(segment), [layer.state for layer in batch])
-    assert step.steps == 6 and batch[0]._idx == 3006
+    # six steps of one row count and capacity: one shape traced, replayed five times
+    assert step.steps == 6 and step.traces == 1 and batch[0]._idx == 3006
     # a copy a step would hold a second set of buffers at some point
     assert mx.get_peak_memory() - active < buffers / 4
 
@@ -250,3 +251,24 @@ def test_an_unloaded_model_is_freed_after_compiled_steps(tiny_model_path) -> Non
     del loaded
     gc.collect()
     assert model() is None
+
+
+def test_the_engine_counts_and_logs_the_shapes_it_traces(tiny_model_path, caplog) -> None:
+    """Each new (rows, capacity) is traced once inside a serving step: the engine's stats count
+    those traces, and the debug log marks the steps that made one (where a stream's slow steps
+    come from, on a GPU: docs/HARDWARE.md)."""
+    import logging
+
+    loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
+    prompt = loaded.tokenizer.encode(TEXTS[1])
+    config = EngineConfig(parallel=2, pipeline_decode=False, speculative="off")
+    with env.overridden({env.COMPILED_DECODE: "on"}), \
+            caplog.at_level(logging.DEBUG, logger="rewind.engine.engine"):
+        with Engine(loaded, config) as engine:
+            for _ in range(2):  # the second request's steps replay the first one's shape
+                engine.submit(GenerationRequest(prompt, SamplingParams(
+                    temperature=0.0, max_tokens=6))).collect(300)
+            stats = engine.stats()
+    marked = [r for r in caplog.records if "traced a new compiled decode shape" in r.getMessage()]
+    assert stats["compiled_decode_steps"] >= 8
+    assert stats["compiled_decode_traces"] == len(marked) == 1

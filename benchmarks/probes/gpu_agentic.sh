@@ -13,7 +13,10 @@
 # The random model's tokenizer makes ~2.5x more tokens of the same text than a real one: the text
 # sizes are the defaults x 0.4, so the prompts grow from ~2.5k to ~9k tokens as the bench intends.
 # SESSIONS (3), TURNS (12), REPEATS (2), MAX_TOKENS (32), SERVERS (rewind,llama.cpp), SHAPE
-# (llama-3.2-1b), TAG, WORK_DIR, BENCH_TIMEOUT (540 s) override. ALLOW_CPU=1 lets MLX run on the
+# (llama-3.2-1b), TAG, WORK_DIR, BENCH_TIMEOUT (540 s) override. STEP_LOG=1 runs Rewind with
+# --log-level debug and writes slow-steps.txt: its engine steps over 30 ms, each with its decode
+# rows, prefill work and whether it traced a new compiled shape (the server logs themselves
+# may be too many files to come back from a lent machine). ALLOW_CPU=1 lets MLX run on the
 # CPU: a rehearsal, e.g. SESSIONS=2 TURNS=2 REPEATS=1 MAX_TOKENS=8 against a CPU llama-server
 # (~5 minutes on 2 cores).
 set -uo pipefail
@@ -48,9 +51,23 @@ timeout "${BENCH_TIMEOUT:-540}" "$python" -m rewind bench agentic \
   --servers "${SERVERS:-rewind,llama.cpp}" --sessions "${SESSIONS:-3}" --turns "${TURNS:-12}" \
   --repeats "${REPEATS:-2}" --max-tokens "${MAX_TOKENS:-32}" \
   --system-tokens 800 --tool-tokens 180 --answer-tokens 48 \
-  --out "$out" --tag "${TAG:-gpu-random}" > "$out/bench.txt" 2>&1
+  --out "$out" --tag "${TAG:-gpu-random}" \
+  ${STEP_LOG:+--rewind-arg=--log-level=debug} > "$out/bench.txt" 2>&1
 status=$?
 find "$logs" -name '*.log' -newer "$out/.started" -exec cp {} "$out/logs/" \; 2>/dev/null
+if [ -n "${STEP_LOG:-}" ]; then
+  "$python" - "$out"/logs/rewind-*.log > "$out/slow-steps.txt" 2>&1 <<'EOF'
+import re, sys
+timed = re.compile(r"step \d+.*?: .*?, ([0-9.]+) ms \(schedule")
+for path in sys.argv[1:]:
+    lines = [line.rstrip() for line in open(path, errors="replace") if timed.search(line)]
+    slow = [line for line in lines if float(timed.search(line).group(1)) > 30]
+    traced = sum("traced a new compiled" in line for line in lines)
+    print(f"== {path}: {len(lines)} steps, {len(slow)} over 30 ms, {traced} traced a new shape")
+    print("\n".join(slow[:400]))
+EOF
+  grep "^==" "$out/slow-steps.txt"
+fi
 grep -h -i -E "offload|cuda|gpu" "$out"/logs/llama.cpp-*.log 2>/dev/null | head -n 4 >> "$out/setup.txt"
 grep -v -E "turn/s|it/s\]" "$out/bench.txt" | tail -n 15
 report="$out/agentic-${TAG:-gpu-random}.md"

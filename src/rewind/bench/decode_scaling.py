@@ -226,7 +226,8 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         entry["engine_stats"] = {k: v for k, v in engine.stats().items()
                                  if k in ("generated_tokens", "prefilled_tokens",
                                           "cached_tokens", "mlx_peak_bytes", "steps",
-                                          "pipelined_steps", "compiled_decode_steps")}
+                                          "pipelined_steps", "compiled_decode_steps",
+                                          "compiled_decode_traces")}
     finally:
         engine.shutdown()
         for other_engine in projections.values():

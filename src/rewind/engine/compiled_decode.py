@@ -123,6 +123,9 @@ class CompiledDecode:
         self._compiled: dict[Layout, Any] = {}
         self.failed: str | None = None  # why the trace failed: the plain call from then on
         self.steps = 0  # steps run through it (tests, metrics)
+        # shapes traced (a new row count or capacity): each is a step's Python build inside a
+        # serving step, plus MLX's compile of it; `rewind serve --log-level debug` marks them
+        self.traces = 0
 
     @staticmethod
     def _step(forward: Any, layout: Layout, tokens: mx.array, starts: mx.array,
@@ -206,6 +209,7 @@ class CompiledDecode:
             # cycle through MLX's compiled function to rely on the collector for)
             compiled = self._compiled[layout] = mx.compile(
                 functools.partial(CompiledDecode._step, self._forward, layout))
+            self.traces += 1
         try:
             out = compiled(segment.tokens, starts, length, *arrays)
         except Exception as exc:  # noqa: BLE001 - a model the views do not fit: plain calls

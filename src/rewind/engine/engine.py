@@ -384,6 +384,7 @@ class Engine:
             # decode steps through the compiled call (rewind.engine.compiled_decode)
             "compiled_decode_steps": (0 if self.runner.compiled_decode is None
                                       else self.runner.compiled_decode.steps),
+            "compiled_decode_traces": self._compiled_traces(),
             "finish_reasons": dict(counters.finish_reasons),
             "prompt_tokens": counters.prompt_tokens,
             "prefilled_tokens": counters.prefilled_tokens,
@@ -401,6 +402,10 @@ class Engine:
             "mlx_peak_bytes": mx.get_peak_memory(),
             "mlx_cache_bytes": mx.get_cache_memory(),
         }
+
+    def _compiled_traces(self) -> int:
+        compiled = self.runner.compiled_decode
+        return 0 if compiled is None else compiled.traces
 
     def _speculation_stats(self) -> dict[str, Any]:
         speculator = self._scheduler.speculator
@@ -434,6 +439,7 @@ class Engine:
         if plan is None:
             return False
         planned = time.perf_counter()
+        traces = self._compiled_traces()
         out = self.runner.run(plan)
         ran = time.perf_counter()
         scheduler.postprocess(plan, out)
@@ -445,11 +451,13 @@ class Engine:
                 work = ", ".join(f"{c.end - c.start}x{(c.stop or layers) - c.first}"
                                  for c in plan.prefill)
                 log.debug("step %d%s: %d decoding (%d drafting), prefill [%s] (tokens x "
-                          "layers), %.1f ms (schedule %.1f, run %.1f, postprocess %.1f)",
+                          "layers), %.1f ms (schedule %.1f, run %.1f, postprocess %.1f)%s",
                           scheduler.counters.steps, " (further pass)" if plan.continuation
                           else "", plan.decode_rows, len(plan.drafts), work,
                           timing.total_ms, timing.schedule_ms, timing.run_ms,
-                          timing.postprocess_ms)
+                          timing.postprocess_ms,
+                          ", traced a new compiled decode shape"
+                          if self._compiled_traces() != traces else "")
             for listener in self._step_listeners:
                 try:
                     listener(plan, timing)
