@@ -8,7 +8,7 @@
 # CUDA architectures: the card's own ("native", what a user building on that machine gets), or
 # CUDA_ARCHS=90 for an H100/H200. Writes $prefix/bin and $prefix/VERSION; the build log is
 # $prefix/build.log. About 5 minutes on 16 cores for one architecture. LLAMA_CMAKE_ARGS adds
-# CMake options: building here for another machine, say
+# CMake options (split on spaces: no value may hold one): building here for another machine, say
 # LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (the CPU
 # code is built for this machine's CPU otherwise, and AVX-512 faults on a host without it).
 set -euo pipefail

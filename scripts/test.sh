@@ -41,6 +41,8 @@ if [ "$only_flags" = "1" ] && [ -z "${REWIND_NO_AVX512:-}" ] \
     tests/test_linear_steps.py \
     --deselect "tests/test_mixed_steps.py::test_mixed_and_cached_give_the_alone_logits[default-layer-slices]" \
     --deselect "tests/test_mixed_steps.py::test_mixed_and_cached_give_the_alone_logits[default-gguf-layer-slices]" \
+    --deselect "tests/test_mixed_steps.py::test_mixed_and_cached_give_the_alone_logits[default-whole-chunks]" \
+    --deselect "tests/test_mixed_steps.py::test_mixed_and_cached_give_the_alone_logits[default-gguf-whole-chunks]" \
     --deselect tests/test_gguf_in_place.py::test_every_kernel_build_gives_the_same_logits \
     --deselect tests/test_mixed_steps.py::test_pipelined_decode_gives_the_unpipelined_answers
   rc=$?

@@ -34,11 +34,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.getoption("--on-demand"):
         later = pytest.mark.skip(reason="on demand: pytest --on-demand")
         for item in items:
-            # A module's ON_DEMAND_CASES names cases of a parametrized test by their id (where
-            # the parameters come from fixtures, a mark cannot be put on one combination).
-            cases = getattr(getattr(item, "module", None), "ON_DEMAND_CASES", ())
-            callspec = getattr(item, "callspec", None)
-            if "on_demand" in item.keywords or (callspec is not None and callspec.id in cases):
+            # A module's ON_DEMAND_CASES names cases of a parametrized test (test[id]): where
+            # the parameters come from fixtures, a mark cannot be put on one combination.
+            cases = getattr(getattr(item, "module", None), "ON_DEMAND_CASES", frozenset())
+            if "on_demand" in item.keywords or item.name in cases:
                 item.add_marker(later)
     if mx.default_device() == mx.cpu:
         return

@@ -256,19 +256,26 @@ def test_an_unloaded_model_is_freed_after_compiled_steps(tiny_model_path) -> Non
 def test_the_engine_counts_and_logs_the_shapes_it_traces(tiny_model_path, caplog) -> None:
     """Each new (rows, capacity) is traced once inside a serving step: the engine's stats count
     those traces, and the debug log marks the steps that made one (where a stream's slow steps
-    come from, on a GPU: docs/HARDWARE.md)."""
+    come from, on a GPU: docs/HARDWARE.md). Two rows decoding, then one (the shorter answer
+    ends): two shapes; the same again traces nothing new."""
     import logging
 
     loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
-    prompt = loaded.tokenizer.encode(TEXTS[1])
+    prompts = [loaded.tokenizer.encode(text) for text in TEXTS[:2]]
     config = EngineConfig(parallel=2, pipeline_decode=False, speculative="off")
+    traces = []
     with env.overridden({env.COMPILED_DECODE: "on"}), \
             caplog.at_level(logging.DEBUG, logger="rewind.engine.engine"):
         with Engine(loaded, config) as engine:
-            for _ in range(2):  # the second request's steps replay the first one's shape
-                engine.submit(GenerationRequest(prompt, SamplingParams(
-                    temperature=0.0, max_tokens=6))).collect(300)
+            no_eos = {int(t): -100.0 for t in engine.eos_token_ids}
+            for _ in range(2):
+                handles = [engine.submit(GenerationRequest(prompt, SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, logit_bias=no_eos)))
+                    for prompt, max_tokens in zip(prompts, (16, 4))]
+                for handle in handles:
+                    handle.collect(300)
+                traces.append(engine.stats()["compiled_decode_traces"])
             stats = engine.stats()
     marked = [r for r in caplog.records if "traced a new compiled decode shape" in r.getMessage()]
-    assert stats["compiled_decode_steps"] >= 8
-    assert stats["compiled_decode_traces"] == len(marked) == 1
+    assert stats["compiled_decode_steps"] >= 2 * 15
+    assert traces == [2, 2] and len(marked) == 2

@@ -128,7 +128,8 @@ def _assert_same(a, b) -> None:
 
 # The default model's whole-chunk cases on demand (~16 s; CI neared its 20 minutes): its
 # layer-slice cases (the CPU server's path) stay, and whole chunks run on every tiny family.
-ON_DEMAND_CASES = {"default-whole-chunks", "default-gguf-whole-chunks"}
+ON_DEMAND_CASES = frozenset(f"test_mixed_and_cached_give_the_alone_logits[{case}]"
+                            for case in ("default-whole-chunks", "default-gguf-whole-chunks"))
 
 
 @pytest.mark.parametrize("budget", [40, 9], ids=["whole-chunks", "layer-slices"])

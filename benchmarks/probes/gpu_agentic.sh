@@ -13,10 +13,11 @@
 # The random model's tokenizer makes ~2.5x more tokens of the same text than a real one: the text
 # sizes are the defaults x 0.4, so the prompts grow from ~2.5k to ~9k tokens as the bench intends.
 # SESSIONS (3), TURNS (12), REPEATS (2), MAX_TOKENS (32), SERVERS (rewind,llama.cpp), SHAPE
-# (llama-3.2-1b), TAG, WORK_DIR, BENCH_TIMEOUT (540 s) override. STEP_LOG=1 runs Rewind with
-# --log-level debug and writes slow-steps.txt: its engine steps over 30 ms, each with its decode
-# rows, prefill work and whether it traced a new compiled shape (the server logs themselves
-# may be too many files to come back from a lent machine). ALLOW_CPU=1 lets MLX run on the
+# (llama-3.2-1b), TAG, WORK_DIR, BENCH_TIMEOUT (540 s) override. STEP_LOG (any non-empty
+# value) runs Rewind with --log-level debug and writes slow-steps.txt: its engine steps over
+# 30 ms, each with its decode rows, prefill work and whether it traced a new compiled shape (the
+# server logs themselves may be too many files to come back from a lent machine). A line a
+# step is logged then: such a run's timings are not the plain run's. ALLOW_CPU=1 lets MLX run on the
 # CPU: a rehearsal, e.g. SESSIONS=2 TURNS=2 REPEATS=1 MAX_TOKENS=8 against a CPU llama-server
 # (~5 minutes on 2 cores).
 set -uo pipefail

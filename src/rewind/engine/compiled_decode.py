@@ -123,13 +123,18 @@ class CompiledDecode:
         self._compiled: dict[Layout, Any] = {}
         self.failed: str | None = None  # why the trace failed: the plain call from then on
         self.steps = 0  # steps run through it (tests, metrics)
-        # shapes traced (a new row count or capacity): each is a step's Python build inside a
-        # serving step, plus MLX's compile of it; `rewind serve --log-level debug` marks them
+        # Shapes traced (a new row count or capacity) by steps that then ran: each is a step's
+        # Python build inside a serving step, plus MLX's compile of it; `rewind serve
+        # --log-level debug` marks them. MLX retraces inside one compiled function, so the
+        # traced function itself counts its runs (`_runs`, a list: the partial holds it, not
+        # this object).
         self.traces = 0
+        self._runs = [0]
 
     @staticmethod
-    def _step(forward: Any, layout: Layout, tokens: mx.array, starts: mx.array,
-              length: mx.array, *arrays: mx.array) -> list[mx.array]:
+    def _step(forward: Any, layout: Layout, runs: list[int], tokens: mx.array,
+              starts: mx.array, length: mx.array, *arrays: mx.array) -> list[mx.array]:
+        runs[0] += 1  # Python runs only while MLX traces: once per new shape
         caches: list[Any] = []
         at = 0
         for count in layout:
@@ -208,8 +213,8 @@ class CompiledDecode:
             # the traced function holds the model's forward, not this object (no reference
             # cycle through MLX's compiled function to rely on the collector for)
             compiled = self._compiled[layout] = mx.compile(
-                functools.partial(CompiledDecode._step, self._forward, layout))
-            self.traces += 1
+                functools.partial(CompiledDecode._step, self._forward, layout, self._runs))
+        runs = self._runs[0]
         try:
             out = compiled(segment.tokens, starts, length, *arrays)
         except Exception as exc:  # noqa: BLE001 - a model the views do not fit: plain calls
@@ -218,6 +223,8 @@ class CompiledDecode:
             log.warning("compiled decode off for this model: %s", self.failed)
             return None
         arrays.clear()
+        if self._runs[0] != runs:
+            self.traces += 1
         _put_back(cache, out[1:])
         for layer in cache:
             if type(layer) is GrowingBatchKVCache:
