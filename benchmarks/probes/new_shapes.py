@@ -2,8 +2,10 @@
 chunk is a length no earlier prompt had, and on CUDA each new shape may build kernels or plans.
 
 Times the first and the second call at each of several new lengths, for the pieces of a hybrid
-model's prefill chunk (attention, a matmul, the gated delta recurrence) and for the whole chunk
-through Rewind's ModelRunner on a random Qwen 3.5 0.8B-shaped model, after a 3,072-token prefix.
+model's prefill chunk (attention, a matmul, the gated delta recurrence; attention at exact and at
+rewind.kernels.prompt_shapes' padded shapes) and for the whole chunk through Rewind's ModelRunner
+on random Llama-3.2-1B-shaped (padded prompt shapes on and off) and Qwen 3.5 0.8B-shaped models,
+after a 3,072-token prefix.
 
     PYTHONPATH=src python benchmarks/probes/new_shapes.py [--quick] [--json out.json]
 """
@@ -39,7 +41,8 @@ def ptx_files() -> int:
 
 
 def op_rows(prefix: int, lengths: list[int]) -> list[dict[str, Any]]:
-    from rewind.kernels import cuda_gated_delta
+    from rewind.cache.kv import GrowingKVCache
+    from rewind.kernels import cuda_gated_delta, prompt_shapes
     from rewind.kernels.shifted_conv import _shifted_sum
 
     dtype = mx.bfloat16
@@ -69,6 +72,17 @@ def op_rows(prefix: int, lengths: list[int]) -> list[dict[str, Any]]:
             "attention, 32 heads of 64 (cuDNN's on CUDA)": lambda: mx.fast.scaled_dot_product_attention(
                 q64, kv64, kv64, scale=64 ** -0.5, mask="causal"),
         }
+        # The same two attentions at Rewind's padded shapes (rewind.kernels.prompt_shapes): the
+        # keys read to the ladder's rung of prefix + length, the queries to a bucket.
+        padded = {}
+        for label, (pq, pkv, dim) in {"attention (sdpa, causal)": (q, kv, head_dim),
+                                      "attention, 32 heads of 64": (q64, kv64, 64)}.items():
+            cache = GrowingKVCache()
+            cache.update_and_fetch(pkv, pkv)
+            mx.eval(cache.keys)
+            padded[f"{label}, padded shapes"] = (
+                lambda pq=pq, cache=cache, dim=dim: prompt_shapes.attention(pq, cache, dim ** -0.5))
+        pieces.update(padded)
         if cuda_gated_delta.available():
             gq = mx.random.normal((1, length, 16, 128)).astype(dtype)
             gv = mx.random.normal((1, length, 16, 128)).astype(dtype)
@@ -143,6 +157,44 @@ def model_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
     return rows
 
 
+def llama_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, Any]]:
+    """Tail chunks of new lengths after the prefix on a Llama shape (head size 64: cuDNN's
+    attention on CUDA), with the prompt calls' attention at padded shapes and at exact ones
+    (REWIND_PROMPT_SHAPES=off); each variant gets lengths of its own."""
+    from rewind import env
+    from rewind.bench.decode_scaling_models import QUICK_SHAPES, SHAPES, build_model, make_prompts
+    from rewind.engine.runner import ModelRunner
+
+    name = "llama-tiny" if quick else "llama-3.2-1b"
+    family, overrides = {**SHAPES, **QUICK_SHAPES}[name]
+    loaded = build_model(name, family, overrides, Path(tempfile.gettempdir()) / "rewind-probe-models")
+    vocab = int(loaded.config.get("vocab_size") or overrides["vocab_size"])
+    runner = ModelRunner(loaded.model, block_tokens=256)
+    base = make_prompts(1, prefix, vocab, seed=1)[0]
+    rows = []
+    for index, setting in enumerate(("on", "off")):
+        with env.overridden({env.PROMPT_SHAPES: setting}):
+            def after_prefix() -> Any:
+                cache = runner.new_cache()
+                mx.eval(runner.prefill(cache, base, 0, [], None))
+                return cache
+
+            for _ in range(2):
+                after_prefix()
+            for length in (n + 2 + index for n in lengths):
+                tail = make_prompts(1, length, vocab, seed=length)[0]
+                times = []
+                for _ in range(3):
+                    cache = after_prefix()
+                    started = time.perf_counter()
+                    mx.eval(runner.prefill(cache, tail, prefix, [], None))
+                    times.append(time.perf_counter() - started)
+                rows.append({"piece": f"{name}, prompt shapes {setting}: tail chunk",
+                             "length": length, "first_ms": times[0] * 1e3,
+                             "again_ms": min(times[1:]) * 1e3, "ptx_written": None})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/probes/new_shapes.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, short prefix")
@@ -150,7 +202,8 @@ def main() -> int:
     args = parser.parse_args()
     prefix = 512 if args.quick else 3072
     lengths = [37, 101, 155] if args.quick else [37, 101, 155, 203, 229]
-    rows = op_rows(prefix, lengths) + model_rows(prefix, lengths, args.quick)
+    rows = (op_rows(prefix, lengths) + llama_rows(prefix, lengths, args.quick)
+            + model_rows(prefix, lengths, args.quick))
     print(f"device {mx.default_device()}, mlx {mx.__version__}, prefix {prefix}")
     print("| piece | length | first ms | again ms | PTX files written |")
     print("| --- | ---: | ---: | ---: | ---: |")

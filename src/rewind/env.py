@@ -78,6 +78,9 @@ CUDA_ATTENTION = Var("REWIND_CUDA_ATTENTION",
                      "off: on CUDA, a decode batch of rows of mixed lengths takes MLX's masked "
                      "attention instead of Rewind's kernel (rewind.kernels.cuda_attention)",
                      ("on", "off"))
+PROMPT_SHAPES = Var("REWIND_PROMPT_SHAPES",
+                    "off: on CUDA, a prompt call's attention runs at its exact shapes instead of "
+                    "padded ones that repeat (rewind.kernels.prompt_shapes)", ("on", "off"))
 COMPILED_DECODE = Var("REWIND_COMPILED_DECODE",
                       "a decode step of MLX's layers over full-attention caches built once per "
                       "batch shape and replayed (mx.compile; rewind.engine.compiled_decode): auto "
@@ -120,7 +123,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        COMPILED_DECODE, FUSED_PROJECTIONS, FAST_GELU,
+                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
@@ -163,6 +166,10 @@ def gated_delta_off() -> bool:
 
 def cuda_attention_off() -> bool:
     return CUDA_ATTENTION.get() == "off"
+
+
+def prompt_shapes_off() -> bool:
+    return PROMPT_SHAPES.get() == "off"
 
 
 def compiled_decode() -> str:

@@ -38,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from rewind import env
+from rewind.kernels import prompt_shapes
 
 WARPS = 8  # warps per block: keys of a span split 8 ways
 # Keys per block. A fixed count, not a fixed number of blocks: how a row's keys are split then
@@ -331,9 +332,14 @@ def _elements_per_lane(dim: int, group: int) -> int:
     the outputs: 16 each where D allows, ~80 registers, three blocks an SM); a power of two, so
     that D / it lanes divide a warp (groups of 3 or 5 take 4 or 2); never under D / 32 (a whole
     warp a key). Llama-3.2-1B's groups of 4 at D 64: 4 elements, 0.245 ms at 32 rows of 4,096
-    keys against 0.261 for 8 and 0.329 for 2 (H100, f1d3081)."""
+    keys against 0.261 for 8 and 0.329 for 2 (H100, f1d3081). Qwen 3.5's 256-wide heads in
+    groups up to 4 take 16 (two 16-byte loads a lane, two keys a warp; ptxas: ~230 registers, no
+    spills, where groups of 8 spill): 32 rows of 4,096 keys 0.179 ms against 0.267 for 8, one row
+    of 32,768 0.066 against 0.091 (H100, 74c6449, benchmarks/probes/sdpa_mask_cost.py)."""
     if dim not in (32, 64, 128, 256):
         return dim // 32
+    if dim == 256 and group <= 4:
+        return 16
     wanted = max(1, min(8, 16 // group))
     return max(dim // 32, 1 << (wanted.bit_length() - 1))
 
@@ -477,6 +483,8 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
         if layout is not None and _kernel_takes(queries, cache):
             length, starts = layout
             return decode_attention(queries, cache.keys, cache.values, length, starts, scale)
+    if queries.shape[2] > 1 and prompt_shapes.takes(cache, keys, mask, sinks):
+        return prompt_shapes.attention(queries, cache, scale)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
                                              mask=mask, sinks=sinks)
 

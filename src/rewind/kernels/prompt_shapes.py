@@ -1,0 +1,106 @@
+"""A prompt call's attention at shapes that repeat, for MLX's CUDA backend.
+
+MLX runs a prompt call's attention (more than one query) through cuDNN where the head size
+allows (up to 128), and builds a cuDNN graph for every new combination of query and key shapes
+and strides (`SDPACacheKey` in its scaled_dot_product_attention.cpp, 0.32): ~36 ms for 32 heads
+of 64 on an H100, 0.1 ms once built (benchmarks/results/gpu/new-shapes-h100-733dff2.txt). In a
+conversation that grows turn by turn, nearly every prompt call has a key length the process
+never saw (the conversation's length so far), so nearly every call builds one, while the other
+sessions' decode steps wait behind it. Head sizes cuDNN does not take go to MLX's matmul path,
+whose cuBLAS plans are chosen per shape too.
+
+Here a call of L queries over a cache of n tokens attends with
+- the queries padded with zeros to a bucket of L (16, 32, 64, 128, 256, then multiples of 256),
+- the keys and values read as the buffer's first capacity_for(n) rows (rewind.cache.capacity:
+  the ladder rung of n, a function of n alone, so a cold and a cached turn read the same
+  shapes), under an additive mask: query i of the call (absolute position n - L + i) sees keys
+  0..n - L + i, a padded query every real key (its row is dropped),
+so the shapes are a handful of buckets times the ladder's rungs, and the graphs are built once
+a process. The keys past n weigh exactly 0 (exp(-inf)), so a query's softmax sums the same
+terms; whether cuDNN's kernel then gives the same bits at every rung is checked on the GPU
+(tests/test_prompt_shapes.py). The extra work is at most 2x the queries and 1.5x the keys of a
+chunk's attention, which on a GPU is small next to a graph build.
+
+Taken for a plain prompt call only: a GrowingKVCache (batch-1 prompt calls, rewind.cache.kv)
+whose buffer holds the rung, a "causal" mask, no sinks, keys as the cache's own slice.
+`REWIND_PROMPT_SHAPES=off` keeps MLX's exact shapes (read at each call).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import mlx.core as mx
+
+from rewind import env
+from rewind.cache.capacity import STEP, capacity_for, round_up
+from rewind.cache.kv import GrowingKVCache
+
+_SMALLEST = 16  # query buckets below a step: powers of two from here
+
+# The mask a call's layers share (one per call, not one per layer): key -> additive mask.
+_masks = threading.local()
+
+
+def query_bucket(queries: int) -> int:
+    """The padded query count for a call of `queries` tokens."""
+    if queries <= 0:
+        raise ValueError(f"a prompt call has at least one query, not {queries}")
+    if queries >= STEP:
+        return round_up(queries)
+    return max(_SMALLEST, 1 << (queries - 1).bit_length())
+
+
+def shapes(queries: int, tokens: int) -> tuple[int, int]:
+    """(padded queries, keys read) for a call of `queries` tokens that leaves `tokens` in the
+    cache."""
+    if not 0 < queries <= tokens:
+        raise ValueError(f"{queries} queries of a cache of {tokens} tokens")
+    return query_bucket(queries), capacity_for(tokens)
+
+
+def takes(cache: Any, keys: mx.array, mask: Any, sinks: Any) -> bool:
+    """Whether this attention call is a plain prompt call this module pads."""
+    if (sinks is not None or not isinstance(mask, str) or mask != "causal"
+            or type(cache) is not GrowingKVCache or env.prompt_shapes_off()):
+        return False
+    buffer, value_buffer = cache.keys, cache.values
+    tokens = cache.offset
+    return (buffer is not None and value_buffer is not None and isinstance(tokens, int)
+            and keys.shape[2] == tokens and buffer.shape[:2] == keys.shape[:2]
+            and value_buffer.shape[2] == buffer.shape[2]
+            and buffer.shape[2] >= capacity_for(tokens)
+            and buffer.dtype in (mx.bfloat16, mx.float16, mx.float32))
+
+
+def additive_mask(queries: int, tokens: int, dtype: mx.Dtype) -> mx.array:
+    """[1, 1, padded queries, keys read]: 0 where query i (position tokens - queries + i) may
+    look, -inf elsewhere; padded queries look at every real key."""
+    padded, width = shapes(queries, tokens)
+    key = (queries, tokens, dtype)
+    memo = getattr(_masks, "last", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    rows = mx.arange(padded, dtype=mx.int32)
+    last_key = mx.minimum(rows + (tokens - queries), tokens - 1)
+    visible = mx.arange(width, dtype=mx.int32)[None, :] <= last_key[:, None]
+    mask = mx.where(visible, mx.array(0.0, dtype), mx.array(-float("inf"), dtype))
+    mask = mask.reshape(1, 1, padded, width)
+    _masks.last = (key, mask)
+    return mask
+
+
+def attention(queries: mx.array, cache: GrowingKVCache, scale: float) -> mx.array:
+    """The call's attention output [B, Hq, L, D], computed at the padded shapes."""
+    count = queries.shape[2]
+    tokens = cache.offset
+    padded, width = shapes(count, tokens)
+    if padded > count:
+        filler = mx.zeros((*queries.shape[:2], padded - count, queries.shape[3]), queries.dtype)
+        queries = mx.concatenate([queries, filler], axis=2)
+    keys = cache.keys[..., :width, :]
+    values = cache.values[..., :width, :]
+    mask = additive_mask(count, tokens, queries.dtype)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return out[:, :, :count, :] if padded > count else out
