@@ -16,14 +16,15 @@ cuda = pytest.mark.skipif(not cuda_attention.available(), reason="needs MLX's CU
 
 
 def test_buckets_repeat_and_hold_the_call() -> None:
-    assert [prompt_shapes.query_bucket(n) for n in (1, 16, 17, 37, 128, 129, 255, 256, 257, 600)] \
-        == [16, 16, 32, 64, 128, 256, 256, 256, 512, 768]
-    assert prompt_shapes.shapes(37, 3109) == (64, 3072 + 1024)  # 3109 tokens: the 4,096 rung
+    assert [prompt_shapes.query_bucket(n) for n in (1, 16, 37, 255, 256, 257, 600)] \
+        == [256, 256, 256, 256, 256, 512, 768]
+    assert prompt_shapes.shapes(37, 3109) == (256, 4096)  # 3109 tokens: the 4,096 rung
     assert prompt_shapes.shapes(256, 256) == (256, 256)
-    # every call of up to 256 tokens into a conversation of up to 12k tokens: few shapes
+    # every call of up to 256 tokens into a conversation of up to 12k tokens: one shape a rung
     seen = {prompt_shapes.shapes(q, t) for t in range(256, 12_289, 7) for q in (1, 50, 200, 256)
             if q <= t}
-    assert len(seen) <= 4 * 12
+    assert seen == {(256, rung) for rung in
+                    (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288)}
     for bad in ((0, 10), (11, 10)):
         with pytest.raises(ValueError):
             prompt_shapes.shapes(*bad)
@@ -40,7 +41,7 @@ def _filled(total: int, heads: int, dim: int, dtype: mx.Dtype, seed: int) -> Gro
 
 
 @pytest.mark.parametrize("queries,tokens,heads,kv_heads,dim", [
-    (1 + 36, 37, 4, 4, 32),       # a cold first call, padded 37 -> 64 queries
+    (1 + 36, 37, 4, 4, 32),       # a cold first call, padded 37 -> 256 queries
     (200, 700, 8, 2, 64),         # a later call, grouped heads, keys read to 768
     (256, 1280, 4, 1, 64),        # a full chunk, no query padding, keys to 1,536
     (5, 3109, 2, 2, 128),         # a short tail far into the conversation
@@ -144,3 +145,13 @@ def test_the_engine_answers_as_with_exact_shapes(tiny_model_path) -> None:
     for ours, theirs in zip(padded, exact):
         assert [t for t, _ in ours] == [t for t, _ in theirs]
         assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs], abs=0.05)
+
+
+def test_warm_graphs_runs_a_full_chunk_at_every_rung_of_the_shapes_cudnn_takes(monkeypatch):
+    """One call a rung up to the context asked (3,000 tokens: 256 to 3,072, seven rungs) for
+    each head shape padded so far that cuDNN takes; the 256-wide heads take MLX's matmul path
+    and are left alone."""
+    monkeypatch.setattr(prompt_shapes, "_SEEN", {(mx.bfloat16, 4, 2, 64), (mx.bfloat16, 8, 2, 256)})
+    assert prompt_shapes.warm_graphs(3000) == 7
+    monkeypatch.setattr(prompt_shapes, "_SEEN", set())
+    assert prompt_shapes.warm_graphs(3000) == 0

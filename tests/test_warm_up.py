@@ -43,3 +43,21 @@ def test_warm_up_prompt_is_ordinary_text_of_the_asked_length(tiny_loaded) -> Non
     assert len(prompt) == 300
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     assert not special & set(prompt)
+
+
+def test_warm_up_runs_on_the_model_thread_it_is_given(tiny_loaded) -> None:
+    """With the model's thread, the warm-up's engine runs there (no thread of its own), and the
+    thread stays for the serving engine."""
+    from rewind.engine.model_thread import ModelThread
+
+    thread = ModelThread("rewind-test-warm-up")
+    try:
+        engines_before = {t for t in threading.enumerate() if t.name == "rewind-engine"}
+        done = warm_up(tiny_loaded("llama"), EngineConfig(), thread=thread)
+        assert done.generated >= len(PROMPT_LENGTHS)
+        started = {t for t in threading.enumerate() if t.name == "rewind-engine"} - engines_before
+        assert not started
+        assert thread.run(lambda: threading.current_thread().name, timeout=10) \
+            == "rewind-test-warm-up"
+    finally:
+        thread.close()

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, wait
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from rewind.memory import release_free_heap
 from rewind.engine.faults import forward_fault
 from rewind.engine.grammar import GrammarBackend
 from rewind.engine.memory_budget import KvAccount, NeverFits, Ticket
+from rewind.engine.model_thread import ModelThread
 from rewind.engine.request import (
     EngineStoppedError,
     Event,
@@ -200,8 +202,12 @@ class Engine:
 
     def __init__(self, loaded: Any, config: EngineConfig | None = None,
                  prompt_cache: Any = None, memory: KvAccount | None = None,
-                 draft: Any = None) -> None:
+                 draft: Any = None, thread: ModelThread | None = None) -> None:
         self.loaded = loaded
+        # The model's own thread (rewind.engine.model_thread), where its engines run one after
+        # another and share what MLX keeps per thread (a warm-up's compiled steps and cuDNN
+        # graphs); None: a thread of this engine's own.
+        self.model_thread = thread
         self.config = config or EngineConfig()
         if self.config.parallel < 1:
             raise ValueError("parallel must be >= 1")
@@ -235,6 +241,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop_done: Future[None] | None = None  # the loop's run on the model thread
         self._started_at = 0.0
         # Why the engine stopped itself (see _fail); None while it serves. restart() clears it.
         self.failure: str | None = None
@@ -245,7 +252,7 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded.model, max_kv_size=self.config.max_kv_size,
             chunk_tokens=self.config.chunk_tokens, block_tokens=block_tokens_of(self.prompt_cache),
-            fault=forward_fault(str(getattr(self.loaded, "name", ""))))
+            fault=forward_fault(str(getattr(self.loaded, "name", ""))), thread=self.model_thread)
         self._scheduler = Scheduler(self.runner, self.config, self.prompt_cache,
                                     self.eos_token_ids, self._listeners, counters, self.memory,
                                     draft_model=self.draft_model)
@@ -253,25 +260,31 @@ class Engine:
     # ---- life cycle -------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        if self._thread is not None:
+        if self._thread is not None or self._loop_done is not None:
             return self
         self._stopping.clear()
         self._started_at = time.time()
-        self._thread = threading.Thread(target=self._run, name="rewind-engine", daemon=True)
-        self._thread.start()
+        if self.model_thread is not None:
+            self._loop_done = self.model_thread.submit(self._run_on_model_thread)
+        else:
+            self._thread = threading.Thread(target=self._run, name="rewind-engine", daemon=True)
+            self._thread.start()
         # A process that exits without shutdown() must still stop the thread cleanly (above).
         atexit.register(self.shutdown)
         return self
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still in flight end with reason "cancelled"."""
-        thread = self._thread
-        if thread is None:
+        thread, loop_done = self._thread, self._loop_done
+        if thread is None and loop_done is None:
             return
         self._stopping.set()
         self._wakeup.set()
-        thread.join(timeout)
-        self._thread = None
+        if thread is not None:
+            thread.join(timeout)
+        elif loop_done is not None:
+            wait([loop_done], timeout)
+        self._thread = self._loop_done = None
         atexit.unregister(self.shutdown)
         self._scheduler.abort_all("cancelled", "the engine shut down")
 
@@ -293,6 +306,8 @@ class Engine:
 
     @property
     def alive(self) -> bool:
+        if self._loop_done is not None:
+            return not self._loop_done.done()
         return self._thread is not None and self._thread.is_alive()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -421,13 +436,17 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._loop()
-        except BaseException as exc:  # noqa: BLE001 - whatever ends the thread, no request waits
-            self._fail(exc)
+            self._run_on_model_thread()
         finally:
             # MLX keeps per-thread streams and compile caches; a thread that ends without
             # clearing them makes the process abort at exit ("terminate called ...").
             mx.clear_streams()
+
+    def _run_on_model_thread(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the loop, no request waits
+            self._fail(exc)
 
     def step(self) -> bool:
         """One engine step, engine thread only: the scheduler plans a forward pass, the runner

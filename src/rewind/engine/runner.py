@@ -37,6 +37,7 @@ from rewind.engine.step_inputs import decode_segments, prefill_segment
 from rewind.engine.step_plan import StepOutput, StepPlan
 from rewind.kernels import gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
+from rewind.engine.model_thread import ModelThread
 from rewind.kernels.model_split import pipeline_stages, split_model
 from rewind.kernels.native_linear import rows_compute_alone
 
@@ -47,7 +48,7 @@ class ModelRunner:
     def __init__(self, model: Any, max_kv_size: int | None = None,
                  chunk_tokens: int | None = None, kernels: ModelKernels | None = None,
                  fault: Callable[[], None] | None = None,
-                 block_tokens: int = BLOCK_TOKENS) -> None:
+                 block_tokens: int = BLOCK_TOKENS, thread: ModelThread | None = None) -> None:
         self.model = model
         # Tests only: called before each forward call, may raise (rewind.engine.faults).
         self.fault = fault
@@ -83,10 +84,18 @@ class ModelRunner:
         # The decode batch's call built once per shape and replayed, on MLX's layers of a model
         # that runs whole here (rewind.engine.compiled_decode; REWIND_COMPILED_DECODE, on CUDA by
         # default).
+        # Its traces are MLX's, kept per thread: the engines of a model thread share one (a
+        # warm-up's traces then serve requests).
         self.compiled_decode: CompiledDecode | None = None
         if self.layer_count is None and pipeline_stages(model) == 1:
             split = split_model(model)
-            self.compiled_decode = CompiledDecode(model if split is None else split.backbone)
+            forward = model if split is None else split.backbone
+
+            def make() -> CompiledDecode:
+                return CompiledDecode(forward)
+
+            self.compiled_decode = make() if thread is None else thread.keep(
+                f"compiled_decode {id(model)}", make)
 
     def draft_alone(self) -> None:
         """Rows decoding alone keep their own caches from now on (the scheduler drafts), and

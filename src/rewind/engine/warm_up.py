@@ -10,7 +10,14 @@ server's memory account. Where the server caches prompts, a third request then e
 one through a prompt cache of the warm-up's own (RAM only, dropped after): a cached turn's
 restore, its checkpoints and its short calls have kernels of their own. On an H100 the first
 cached turn of a process took ~100 ms where later ones, tails of new lengths included, took ~40.
-Last, Rewind's decode attention kernel is built for contexts past these prompts (its spans).
+Last, Rewind's decode attention kernel is built for contexts past these prompts (its spans),
+and on CUDA the cuDNN graphs of a full prompt chunk's attention at every KV capacity up to the
+model's context (rewind.kernels.prompt_shapes: a graph a capacity, ~36 ms each on an H100).
+
+MLX keeps compiled steps, cuDNN graphs and CUDA graphs per thread: given the model's thread
+(rewind.engine.model_thread), the warm-up's engine runs on it, and so does the serving engine
+after it; on a thread of its own, only what MLX keeps per process (compiled kernels) would
+carry over.
 """
 
 from __future__ import annotations
@@ -47,17 +54,20 @@ def warm_up_prompt(tokenizer: Any, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None) -> WarmUp:
+def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None,
+            thread: Any = None) -> WarmUp:
     """Generate up to DECODE_TOKENS tokens for each of PROMPT_LENGTHS' prompts, concurrently,
-    through a fresh engine of `loaded`; then, with `cache_config` (the server's prompt cache
-    settings: its block size), a cached turn through a throwaway RAM-only prompt cache. Raises
-    what the engine raises, and for a request that ends in error."""
+    through a fresh engine of `loaded` (on `thread`, the model's ModelThread, where given);
+    then, with `cache_config` (the server's prompt cache settings: its block size), a cached
+    turn through a throwaway RAM-only prompt cache; then the kernels and graphs of longer
+    contexts. Raises what the engine raises, and for a request that ends in error."""
     from rewind.engine import Engine
-    from rewind.kernels import cuda_attention
+    from rewind.kernels import cuda_attention, prompt_shapes
+    from rewind.models.catalog import context_length
 
     started = time.perf_counter()
     cache = _throwaway_cache(loaded, cache_config)
-    engine = Engine(loaded, engine_config, cache, None).start()
+    engine = Engine(loaded, engine_config, cache, None, thread=thread).start()
     try:
         prompts = [warm_up_prompt(loaded.tokenizer, length) for length in PROMPT_LENGTHS]
         generated = sum(tokens for tokens, _ in _generate(engine, prompts))
@@ -70,9 +80,20 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None) -> WarmUp
         engine.shutdown()
         if cache is not None:
             cache.close()
-    # the attention kernel's variants for contexts longer than these prompts, once the
-    # warm-up's engine has stopped
-    cuda_attention.warm_kernels()
+    # the attention kernel's variants and the prompt chunks' graphs for contexts longer than
+    # these prompts, once the warm-up's engine has stopped, where requests will run
+    tokens = min(t for t in (context_length(getattr(loaded, "config", None) or {}),
+                             engine_config.max_kv_size, prompt_shapes.WARM_TOKENS) if t)
+
+    def longer_contexts() -> None:
+        cuda_attention.warm_kernels()
+        if cuda_attention.available():
+            prompt_shapes.warm_graphs(tokens)
+
+    if thread is not None:
+        thread.run(longer_contexts)
+    else:
+        longer_contexts()
     result = WarmUp(time.perf_counter() - started, generated, cached_tokens)
     log.info("warmed up %s in %.2f s", getattr(loaded, "name", "the model"), result.seconds)
     return result

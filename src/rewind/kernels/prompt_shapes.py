@@ -10,16 +10,18 @@ sessions' decode steps wait behind it. Head sizes cuDNN does not take go to MLX'
 whose cuBLAS plans are chosen per shape too.
 
 Here a call of L queries over a cache of n tokens attends with
-- the queries padded with zeros to a bucket of L (16, 32, 64, 128, 256, then multiples of 256),
+- the queries padded with zeros to L rounded up to 256 (the GPU's prompt calls are at most 256
+  tokens by default, so one count: padding a 7-token tail costs at most a full chunk's
+  attention, ~1 ms at 9k keys for 16 layers of Llama-3.2-1B, where a new graph cost 36),
 - the keys and values read as the buffer's first capacity_for(n) rows (rewind.cache.capacity:
   the ladder rung of n, a function of n alone, so a cold and a cached turn read the same
   shapes), under an additive mask: query i of the call (absolute position n - L + i) sees keys
   0..n - L + i, a padded query every real key (its row is dropped),
-so the shapes are a handful of buckets times the ladder's rungs, and the graphs are built once
-a process. The keys past n weigh exactly 0 (exp(-inf)), so a query's softmax sums the same
-terms; whether cuDNN's kernel then gives the same bits at every rung is checked on the GPU
-(tests/test_prompt_shapes.py). The extra work is at most 2x the queries and 1.5x the keys of a
-chunk's attention, which on a GPU is small next to a graph build.
+so the shapes are the ladder's rungs, and the graphs are few enough to build at load
+(`warm_graphs`, on the thread that serves: MLX keeps them per thread,
+rewind.engine.model_thread). The keys past n weigh exactly 0 (exp(-inf)), so a query's
+softmax sums the same terms, and a call's shapes depend on L and n alone: a cold and a cached
+turn compute the same call alike.
 
 Taken for a plain prompt call only: a GrowingKVCache (batch-1 prompt calls, rewind.cache.kv)
 whose buffer holds the rung, a "causal" mask, no sinks, keys as the cache's own slice.
@@ -37,19 +39,21 @@ from rewind import env
 from rewind.cache.capacity import STEP, capacity_for, round_up
 from rewind.cache.kv import GrowingKVCache
 
-_SMALLEST = 16  # query buckets below a step: powers of two from here
+# Graphs warmed for contexts up to this many tokens at most (18 rungs; the model's own context
+# length where shorter).
+WARM_TOKENS = 131072
 
 # The mask a call's layers share (one per call, not one per layer): key -> additive mask.
 _masks = threading.local()
+# (dtype, query heads, key-value heads, head size) of the calls this process padded.
+_SEEN: set[tuple[mx.Dtype, int, int, int]] = set()
 
 
 def query_bucket(queries: int) -> int:
     """The padded query count for a call of `queries` tokens."""
     if queries <= 0:
         raise ValueError(f"a prompt call has at least one query, not {queries}")
-    if queries >= STEP:
-        return round_up(queries)
-    return max(_SMALLEST, 1 << (queries - 1).bit_length())
+    return round_up(queries)
 
 
 def shapes(queries: int, tokens: int) -> tuple[int, int]:
@@ -96,11 +100,40 @@ def attention(queries: mx.array, cache: GrowingKVCache, scale: float) -> mx.arra
     count = queries.shape[2]
     tokens = cache.offset
     padded, width = shapes(count, tokens)
+    _SEEN.add((queries.dtype, queries.shape[1], cache.keys.shape[1], queries.shape[3]))
     if padded > count:
         filler = mx.zeros((*queries.shape[:2], padded - count, queries.shape[3]), queries.dtype)
         queries = mx.concatenate([queries, filler], axis=2)
+    else:  # the same layout as a padded call's (cuDNN's graphs are keyed by strides too)
+        queries = mx.contiguous(queries)
     keys = cache.keys[..., :width, :]
     values = cache.values[..., :width, :]
     mask = additive_mask(count, tokens, queries.dtype)
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return out[:, :, :count, :] if padded > count else out
+
+
+def _cudnn_takes(dtype: mx.Dtype, dim: int) -> bool:
+    """Whether MLX's CUDA backend gives such a call to cuDNN (head size a multiple of 8, at
+    most 128, half precision); others take its matmul path, with nothing to build."""
+    return dim % 8 == 0 and dim <= 128 and dtype in (mx.bfloat16, mx.float16)
+
+
+def warm_graphs(tokens: int) -> int:
+    """Build the graphs of full-chunk calls (256 queries) at every rung up to `tokens` (at most
+    WARM_TOKENS) for each head shape padded so far; run on the thread that will serve. Returns
+    the calls made. ~36 ms a graph on an H100 (18 rungs to 131,072 tokens)."""
+    top = capacity_for(min(max(tokens, 1), WARM_TOKENS))
+    rungs = sorted({capacity_for(n) for n in range(STEP, top + 1, STEP)})
+    calls = 0
+    for dtype, heads, kv_heads, dim in sorted(_SEEN, key=str):
+        if not _cudnn_takes(dtype, dim):
+            continue
+        queries = mx.zeros((1, heads, STEP, dim), dtype)
+        for rung in rungs:
+            buffer = mx.zeros((1, kv_heads, rung, dim), dtype)
+            mx.eval(mx.fast.scaled_dot_product_attention(
+                queries, buffer, buffer, scale=dim ** -0.5,
+                mask=additive_mask(STEP, rung, dtype)))
+            calls += 1
+    return calls

@@ -29,6 +29,7 @@ from typing import Any
 
 from rewind.config import ServerConfig
 from rewind.engine.memory_budget import KvAccount
+from rewind.engine.model_thread import ModelThread
 from rewind.models.catalog import Catalog, Servable
 from rewind.models.memory_estimate import kv_shape, loaded_bytes
 from rewind.server.errors import ApiError
@@ -383,17 +384,25 @@ class ModelPool:
         elif cache is not None:
             cache.model = loaded.model
         slot.prompt_cache = cache
-        if self.config.warm_up and self.backend != "cpu":
-            from rewind.engine.warm_up import warm_up
+        # The warm-up's engine and the serving one run on one thread: MLX keeps what the
+        # warm-up builds (compiled steps, cuDNN and CUDA graphs) per thread.
+        thread = slot.thread = ModelThread(f"rewind-{entry.name}")
+        try:
+            if self.config.warm_up and self.backend != "cpu":
+                from rewind.engine.warm_up import warm_up
 
-            slot.warm_up_seconds = warm_up(loaded, self.config.engine,
-                                           self.config.engine.cache).seconds
-        element = 4 if self.backend == "cpu" else 2
-        kv = kv_shape(loaded.config, element)
-        # The engine's scheduler grows each sequence's room in the budget before its tokens.
-        memory = None if kv is None else KvAccount(self.budget, kv, str(loaded.name))
-        engine = Engine(loaded, self.config.engine, cache, memory,
-                        draft=self._draft_for(loaded)).start()
+                slot.warm_up_seconds = warm_up(loaded, self.config.engine,
+                                               self.config.engine.cache, thread).seconds
+            element = 4 if self.backend == "cpu" else 2
+            kv = kv_shape(loaded.config, element)
+            # The engine's scheduler grows each sequence's room in the budget before its tokens.
+            memory = None if kv is None else KvAccount(self.budget, kv, str(loaded.name))
+            engine = Engine(loaded, self.config.engine, cache, memory,
+                            draft=self._draft_for(loaded), thread=thread).start()
+        except BaseException:
+            thread.close()
+            slot.thread = None
+            raise
         slot.engine = engine
         slot.runtime = ModelRuntime(loaded, engine, self.config, self.metrics, cache,
                                     self.budget, kv)
@@ -473,6 +482,9 @@ class ModelPool:
     def _unload_blocking(self, slot: Slot) -> None:
         if slot.engine is not None:
             slot.engine.shutdown()
+        if slot.thread is not None:
+            slot.thread.close()
+            slot.thread = None
         if slot.prompt_cache is not None:
             slot.prompt_cache.model = None  # records stay in the shared tiers
         slot.engine = None
@@ -498,6 +510,9 @@ class ModelPool:
             if slot.engine is not None:
                 slot.engine.shutdown()
                 slot.engine = None
+            if slot.thread is not None:
+                slot.thread.close()
+                slot.thread = None
             if slot.prompt_cache is not None:
                 slot.prompt_cache.close()
         if self.tiers is not None:

@@ -19,6 +19,7 @@ class Slot:
     runtime: ModelRuntime | None = None
     prompt_cache: Any = None  # kept across unloads
     engine: Any = None
+    thread: Any = None  # the model's ModelThread (rewind.engine.model_thread) while loaded
     pinned: bool = False  # an engine the caller owns (create_app(loaded, engine)): never unloaded
     leases: int = 0
     last_used: float = 0.0
