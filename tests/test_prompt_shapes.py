@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rewind import env
+from rewind.cache.capacity import ladder
 from rewind.cache.kv import GrowingKVCache, make_cache
 from rewind.kernels import cuda_attention, prompt_shapes
 
@@ -18,16 +19,18 @@ cuda = pytest.mark.skipif(not cuda_attention.available(), reason="needs MLX's CU
 def test_buckets_repeat_and_hold_the_call() -> None:
     assert [prompt_shapes.query_bucket(n) for n in (1, 16, 37, 255, 256, 257, 600)] \
         == [256, 256, 256, 256, 256, 512, 768]
-    assert prompt_shapes.shapes(37, 3109) == (256, 4096)  # 3109 tokens: the 4,096 rung
-    assert prompt_shapes.shapes(256, 256) == (256, 256)
+    assert GrowingKVCache.ladder_rows(3109) == 4096
+    assert ladder(3000) == [256, 512, 768, 1024, 1536, 2048, 3072]
     # every call of up to 256 tokens into a conversation of up to 12k tokens: one shape a rung
-    seen = {prompt_shapes.shapes(q, t) for t in range(256, 12_289, 7) for q in (1, 50, 200, 256)
-            if q <= t}
-    assert seen == {(256, rung) for rung in
-                    (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288)}
-    for bad in ((0, 10), (11, 10)):
+    seen = {(prompt_shapes.query_bucket(q), GrowingKVCache.ladder_rows(t))
+            for t in range(256, 12_289, 7) for q in (1, 50, 200, 256) if q <= t}
+    assert seen == {(256, rung) for rung in ladder(12_288)}
+    assert len(seen) == 11
+    with pytest.raises(ValueError):
+        prompt_shapes.query_bucket(0)
+    for bad in ((0, 10, 256), (11, 10, 256), (10, 300, 256)):
         with pytest.raises(ValueError):
-            prompt_shapes.shapes(*bad)
+            prompt_shapes.additive_mask(*bad, mx.float32)
 
 
 def _filled(total: int, heads: int, dim: int, dtype: mx.Dtype, seed: int) -> GrowingKVCache:
@@ -152,6 +155,6 @@ def test_warm_graphs_runs_a_full_chunk_at_every_rung_of_the_shapes_cudnn_takes(m
     each head shape padded so far that cuDNN takes; the 256-wide heads take MLX's matmul path
     and are left alone."""
     monkeypatch.setattr(prompt_shapes, "_SEEN", {(mx.bfloat16, 4, 2, 64), (mx.bfloat16, 8, 2, 256)})
-    assert prompt_shapes.warm_graphs(3000) == 7
+    assert prompt_shapes.warm_graphs(ladder(3000)) == 7
     monkeypatch.setattr(prompt_shapes, "_SEEN", set())
-    assert prompt_shapes.warm_graphs(3000) == 0
+    assert prompt_shapes.warm_graphs(ladder(3000)) == 0

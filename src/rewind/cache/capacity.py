@@ -41,3 +41,9 @@ def next_capacity(needed: int, bound: int | None = None) -> int:
     if bound is not None:
         capacity = min(capacity, max(round_up(needed), round_up(bound)))
     return capacity
+
+
+def ladder(rows: int) -> list[int]:
+    """Every rung up to the one that holds `rows`, smallest first."""
+    top = capacity_for(max(rows, 1))
+    return sorted({capacity_for(n) for n in range(STEP, top + 1, STEP)})

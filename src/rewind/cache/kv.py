@@ -100,6 +100,12 @@ class GrowingKVCache(KVCache):
         self.offset = _append(self, self.offset, keys, values, self.bound)
         return self.keys_and_values()
 
+    @staticmethod
+    def ladder_rows(tokens: int) -> int:
+        """The ladder's rung for `tokens` rows: what a prompt call's attention reads on CUDA
+        (rewind.kernels.prompt_shapes), the same rows whatever this buffer's history."""
+        return capacity_for(tokens)
+
     @property
     def state(self) -> tuple[Any, Any, int]:
         """mlx-lm's (keys, values, offset), the buffers cut to the ladder's capacity for offset

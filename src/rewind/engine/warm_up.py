@@ -36,6 +36,9 @@ DECODE_TOKENS = 4
 # The cached turn: the first prompt and this many tokens more.
 CACHED_TAIL = 40
 WARM_UP_CACHE_BYTES = 256 << 20
+# Prompt calls' attention graphs are built for contexts up to this many tokens (18 rungs of the
+# KV ladder; the model's own context length where shorter).
+PROMPT_GRAPH_TOKENS = 131072
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None,
     then, with `cache_config` (the server's prompt cache settings: its block size), a cached
     turn through a throwaway RAM-only prompt cache; then the kernels and graphs of longer
     contexts. Raises what the engine raises, and for a request that ends in error."""
+    from rewind.cache.capacity import ladder
     from rewind.engine import Engine
     from rewind.kernels import cuda_attention, prompt_shapes
     from rewind.models.catalog import context_length
@@ -83,12 +87,12 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None,
     # the attention kernel's variants and the prompt chunks' graphs for contexts longer than
     # these prompts, once the warm-up's engine has stopped, where requests will run
     tokens = min(t for t in (context_length(getattr(loaded, "config", None) or {}),
-                             engine_config.max_kv_size, prompt_shapes.WARM_TOKENS) if t)
+                             engine_config.max_kv_size, PROMPT_GRAPH_TOKENS) if t)
 
     def longer_contexts() -> None:
         cuda_attention.warm_kernels()
         if cuda_attention.available():
-            prompt_shapes.warm_graphs(tokens)
+            prompt_shapes.warm_graphs(ladder(tokens))
 
     if thread is not None:
         thread.run(longer_contexts)

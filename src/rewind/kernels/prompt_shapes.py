@@ -13,9 +13,9 @@ Here a call of L queries over a cache of n tokens attends with
 - the queries padded with zeros to L rounded up to 256 (the GPU's prompt calls are at most 256
   tokens by default, so one count: padding a 7-token tail costs at most a full chunk's
   attention, ~1 ms at 9k keys for 16 layers of Llama-3.2-1B, where a new graph cost 36),
-- the keys and values read as the buffer's first capacity_for(n) rows (rewind.cache.capacity:
-  the ladder rung of n, a function of n alone, so a cold and a cached turn read the same
-  shapes), under an additive mask: query i of the call (absolute position n - L + i) sees keys
+- the keys and values read as the buffer's first `cache.ladder_rows(n)` rows (the rung of
+  rewind.cache.capacity's ladder that holds n, a function of n alone, so a cold and a cached
+  turn read the same shapes), under an additive mask: query i of the call (absolute position n - L + i) sees keys
   0..n - L + i, a padded query every real key (its row is dropped),
 so the shapes are the ladder's rungs, and the graphs are few enough to build at load
 (`warm_graphs`, on the thread that serves: MLX keeps them per thread,
@@ -23,8 +23,8 @@ rewind.engine.model_thread). The keys past n weigh exactly 0 (exp(-inf)), so a q
 softmax sums the same terms, and a call's shapes depend on L and n alone: a cold and a cached
 turn compute the same call alike.
 
-Taken for a plain prompt call only: a GrowingKVCache (batch-1 prompt calls, rewind.cache.kv)
-whose buffer holds the rung, a "causal" mask, no sinks, keys as the cache's own slice.
+Taken for a plain prompt call only: a cache with `ladder_rows` (rewind.cache.kv.GrowingKVCache,
+a batch-1 prompt call's; kernels do not import the cache package) whose buffer holds the rung, a "causal" mask, no sinks, keys as the cache's own slice.
 `REWIND_PROMPT_SHAPES=off` keeps MLX's exact shapes (read at each call).
 """
 
@@ -36,13 +36,10 @@ from typing import Any
 import mlx.core as mx
 
 from rewind import env
-from rewind.cache.capacity import STEP, capacity_for, round_up
-from rewind.cache.kv import GrowingKVCache
 
-# Graphs warmed for contexts up to this many tokens at most (18 rungs; the model's own context
-# length where shorter).
-WARM_TOKENS = 131072
-
+# Queries are padded to a multiple of this: the GPU's prompt-call grid (rewind.config
+# GPU_CHUNK_TOKENS), so a call has one padded count.
+QUERY_BUCKET = 256
 # The mask a call's layers share (one per call, not one per layer): key -> additive mask.
 _masks = threading.local()
 # (dtype, query heads, key-value heads, head size) of the calls this process padded.
@@ -53,36 +50,31 @@ def query_bucket(queries: int) -> int:
     """The padded query count for a call of `queries` tokens."""
     if queries <= 0:
         raise ValueError(f"a prompt call has at least one query, not {queries}")
-    return round_up(queries)
-
-
-def shapes(queries: int, tokens: int) -> tuple[int, int]:
-    """(padded queries, keys read) for a call of `queries` tokens that leaves `tokens` in the
-    cache."""
-    if not 0 < queries <= tokens:
-        raise ValueError(f"{queries} queries of a cache of {tokens} tokens")
-    return query_bucket(queries), capacity_for(tokens)
+    return -(-queries // QUERY_BUCKET) * QUERY_BUCKET
 
 
 def takes(cache: Any, keys: mx.array, mask: Any, sinks: Any) -> bool:
     """Whether this attention call is a plain prompt call this module pads."""
+    ladder_rows = getattr(cache, "ladder_rows", None)
     if (sinks is not None or not isinstance(mask, str) or mask != "causal"
-            or type(cache) is not GrowingKVCache or env.prompt_shapes_off()):
+            or ladder_rows is None or env.prompt_shapes_off()):
         return False
     buffer, value_buffer = cache.keys, cache.values
     tokens = cache.offset
     return (buffer is not None and value_buffer is not None and isinstance(tokens, int)
-            and keys.shape[2] == tokens and buffer.shape[:2] == keys.shape[:2]
+            and 0 < keys.shape[2] == tokens and buffer.shape[:2] == keys.shape[:2]
             and value_buffer.shape[2] == buffer.shape[2]
-            and buffer.shape[2] >= capacity_for(tokens)
+            and buffer.shape[2] >= ladder_rows(tokens)
             and buffer.dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
-def additive_mask(queries: int, tokens: int, dtype: mx.Dtype) -> mx.array:
-    """[1, 1, padded queries, keys read]: 0 where query i (position tokens - queries + i) may
-    look, -inf elsewhere; padded queries look at every real key."""
-    padded, width = shapes(queries, tokens)
-    key = (queries, tokens, dtype)
+def additive_mask(queries: int, tokens: int, width: int, dtype: mx.Dtype) -> mx.array:
+    """[1, 1, padded queries, width]: 0 where query i (position tokens - queries + i) may look,
+    -inf elsewhere; padded queries look at every real key."""
+    if not 0 < queries <= tokens <= width:
+        raise ValueError(f"{queries} queries of a cache of {tokens} tokens read as {width}")
+    padded = query_bucket(queries)
+    key = (queries, tokens, width, dtype)
     memo = getattr(_masks, "last", None)
     if memo is not None and memo[0] == key:
         return memo[1]
@@ -95,11 +87,12 @@ def additive_mask(queries: int, tokens: int, dtype: mx.Dtype) -> mx.array:
     return mask
 
 
-def attention(queries: mx.array, cache: GrowingKVCache, scale: float) -> mx.array:
-    """The call's attention output [B, Hq, L, D], computed at the padded shapes."""
+def attention(queries: mx.array, cache: Any, scale: float) -> mx.array:
+    """The call's attention output [B, Hq, L, D], computed at the padded shapes (a cache that
+    `takes` accepted)."""
     count = queries.shape[2]
     tokens = cache.offset
-    padded, width = shapes(count, tokens)
+    padded, width = query_bucket(count), cache.ladder_rows(tokens)
     _SEEN.add((queries.dtype, queries.shape[1], cache.keys.shape[1], queries.shape[3]))
     if padded > count:
         filler = mx.zeros((*queries.shape[:2], padded - count, queries.shape[3]), queries.dtype)
@@ -108,7 +101,7 @@ def attention(queries: mx.array, cache: GrowingKVCache, scale: float) -> mx.arra
         queries = mx.contiguous(queries)
     keys = cache.keys[..., :width, :]
     values = cache.values[..., :width, :]
-    mask = additive_mask(count, tokens, queries.dtype)
+    mask = additive_mask(count, tokens, width, queries.dtype)
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return out[:, :, :count, :] if padded > count else out
 
@@ -119,21 +112,22 @@ def _cudnn_takes(dtype: mx.Dtype, dim: int) -> bool:
     return dim % 8 == 0 and dim <= 128 and dtype in (mx.bfloat16, mx.float16)
 
 
-def warm_graphs(tokens: int) -> int:
-    """Build the graphs of full-chunk calls (256 queries) at every rung up to `tokens` (at most
-    WARM_TOKENS) for each head shape padded so far; run on the thread that will serve. Returns
-    the calls made. ~36 ms a graph on an H100 (18 rungs to 131,072 tokens)."""
-    top = capacity_for(min(max(tokens, 1), WARM_TOKENS))
-    rungs = sorted({capacity_for(n) for n in range(STEP, top + 1, STEP)})
+def warm_graphs(rungs: list[int]) -> int:
+    """Build the graphs of a full call (QUERY_BUCKET queries) reading each of `rungs` rows
+    (the KV ladder's rungs up to the context served, rewind.cache.capacity) for each head shape
+    padded so far; run on the thread that will serve. Returns the calls made. ~36 ms a graph on
+    an H100 (18 rungs to 131,072 tokens)."""
     calls = 0
     for dtype, heads, kv_heads, dim in sorted(_SEEN, key=str):
         if not _cudnn_takes(dtype, dim):
             continue
-        queries = mx.zeros((1, heads, STEP, dim), dtype)
+        queries = mx.zeros((1, heads, QUERY_BUCKET, dim), dtype)
         for rung in rungs:
+            if rung < QUERY_BUCKET:
+                continue
             buffer = mx.zeros((1, kv_heads, rung, dim), dtype)
             mx.eval(mx.fast.scaled_dot_product_attention(
                 queries, buffer, buffer, scale=dim ** -0.5,
-                mask=additive_mask(STEP, rung, dtype)))
+                mask=additive_mask(QUERY_BUCKET, rung, rung, dtype)))
             calls += 1
     return calls
