@@ -21,6 +21,7 @@ from mlx_lm.utils import load
 
 from rewind.cache import records as rec
 from rewind.cache.blocks import BlockChain, root_key
+from rewind.cache.serialize import decode_record, encode_record
 
 ROOT = root_key("test", "layout")
 
@@ -102,13 +103,22 @@ def tiny(tiny_model_path: Callable[[str], Path], tiny_family: str):
 
 
 @pytest.mark.parametrize("length", [512, 600])
-def test_rebuilt_cache_continues_bit_for_bit(tiny, length: int) -> None:
+@pytest.mark.parametrize("joined", ["per layer", "joined", "joined, one record from disk"])
+def test_rebuilt_cache_continues_bit_for_bit(tiny, length: int, joined: str) -> None:
+    """Rebuilt from its records, per layer or (as on a GPU) joined from every layer's stacked
+    rows in one concatenation, or per layer again where a record has no stack (one read back
+    from disk), the cache computes what the original does."""
     prompt, more = _prompt(length), _prompt(150, seed=1)
     original = make_prompt_cache(tiny)
     recorder = Recorder(prompt)
     _feed(tiny, prompt, original, recorder=recorder)
     parts = recorder.parts(original)
-    rebuilt = rec.rebuild(make_prompt_cache(tiny), parts)
+    if joined == "joined, one record from disk":
+        parts.kv[0] = decode_record(encode_record(parts.kv[0]))
+        assert parts.kv[0].stacked is None
+    has_kv = any(rec.kind_of(layer) == rec.KV for _, layer in rec.leaves(original))
+    assert (rec._joined(parts) is not None) == (has_kv and joined != "joined, one record from disk")
+    rebuilt = rec.rebuild(make_prompt_cache(tiny), parts, joined=joined != "per layer")
     assert rec.cache_offset(rebuilt) == length
     # A prefill chunk, then decode steps, on both: the same computation on the same arrays.
     a = _feed_from(tiny, more, original)

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from rewind.cache import records as rec
 from rewind.cache.blocks import (
     BlockChain,
@@ -303,7 +305,11 @@ class PromptCache:
                 limit = loaded  # a record failed: plan again, ending at or before its block
                 continue
             parts, ram_tokens, disk_tokens = loaded
-            cache = rec.rebuild(template, parts)
+            # On a GPU, one concatenation for every layer's blocks: each copy is a kernel MLX
+            # encodes on the host, one a block, layer and kind otherwise (rewind.cache.records).
+            # The CPU copies the bytes themselves, and would copy each layer again at its first
+            # write.
+            cache = rec.rebuild(template, parts, joined=mx.default_device() != mx.cpu)
             return Restored(cache, point.identity.end, ram_tokens, disk_tokens, 0.0)
         return nothing
 

@@ -67,6 +67,12 @@ class Record:
 
     arrays: dict[str, mx.array]
     meta: dict[str, str] = field(default_factory=dict)
+    # In memory only (a record made in this process, rewind.cache.records.snapshot_kv): one
+    # array [n, ...] whose rows are the named arrays in this order, each of `arrays` a view of
+    # one row. A restore then joins the blocks of every layer in one copy. Not written to
+    # disk; a record read back has none.
+    stacked: tuple[mx.array, tuple[str, ...]] | None = field(default=None, compare=False,
+                                                              repr=False)
 
     @property
     def nbytes(self) -> int:
