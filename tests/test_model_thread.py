@@ -45,10 +45,14 @@ def _decode_twice(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [handle.collect(300).tokens for handle in handles]
 
 
-def test_a_second_engine_on_the_model_thread_reuses_the_first_ones_traces(tiny_model_path):
+def test_a_second_engine_on_the_model_thread_reuses_the_first_ones_traces(tiny_model_path,
+                                                                         caplog):
     """The first engine (as a server's warm-up) traces its decode shapes; the serving engine
-    after it, on the same model thread, runs the same shapes without tracing again and gives
-    the same tokens, on that thread. An engine on a thread of its own traces them anew."""
+    after it, on the same model thread, runs the same shapes through the same compiled step
+    without tracing again (no step of it marked as tracing) and gives the same tokens, on that
+    thread. An engine on a thread of its own traces them anew."""
+    import logging
+
     loaded = load_model(str(tiny_model_path("llama")), native_forward="off")
     prompts = [loaded.tokenizer.encode(text) for text in
                ("one two three", "a longer prompt with a few more words in it")]
@@ -60,11 +64,17 @@ def test_a_second_engine_on_the_model_thread_reuses_the_first_ones_traces(tiny_m
             with Engine(loaded, config, thread=thread) as warm_up:
                 first = _decode_twice(warm_up, prompts)
                 assert warm_up.stats()["compiled_decode_traces"] == 2
-            with Engine(loaded, config, thread=thread) as serving:
+            with Engine(loaded, config, thread=thread) as serving, \
+                    caplog.at_level(logging.DEBUG, logger="rewind.engine.engine"):
+                assert serving.runner.compiled_decode is warm_up.runner.compiled_decode
+                steps_before = serving.stats()["compiled_decode_steps"]
                 serving.add_step_listener(lambda plan, timing: idents.add(threading.get_ident()))
                 again = _decode_twice(serving, prompts)
                 assert serving.alive
                 assert serving.stats()["compiled_decode_traces"] == 2  # nothing new
+                assert serving.stats()["compiled_decode_steps"] > steps_before
+            assert not [r for r in caplog.records
+                        if "traced a new compiled decode shape" in r.getMessage()]
             assert not serving.alive
             with Engine(loaded, config) as alone:
                 assert _decode_twice(alone, prompts) == first

@@ -73,7 +73,9 @@ def op_rows(prefix: int, lengths: list[int]) -> list[dict[str, Any]]:
                 q64, kv64, kv64, scale=64 ** -0.5, mask="causal"),
         }
         # The same two attentions at Rewind's padded shapes (rewind.kernels.prompt_shapes): the
-        # keys read to the ladder's rung of prefix + length, the queries to a bucket.
+        # keys read to the ladder's rung of prefix + length, the queries to a multiple of 256.
+        # Rewind pads only the shapes cuDNN takes (head size up to 128): the 256-wide one is
+        # timed to show what padding would do on MLX's matmul path.
         padded = {}
         for label, (pq, pkv, dim) in {"attention (sdpa, causal)": (q, kv, head_dim),
                                       "attention, 32 heads of 64": (q64, kv64, 64)}.items():

@@ -363,11 +363,19 @@ def window_covered(template: Sequence[Any], parts: RestoreParts) -> bool:
     return True
 
 
+# A joined restore's rows are held twice until the next call has written every layer (see
+# rebuild): up to this many bytes of them; a larger restore copies layer by layer.
+JOINED_BYTES = 1 << 30
+
+
 def _joined(parts: RestoreParts) -> tuple[mx.array, tuple[str, ...]] | None:
     """Every block's stacked rows joined along the tokens, in a buffer of the ladder's capacity
-    (one concatenation), where every spine record has them in one layout; else None."""
+    (one concatenation), where every spine record has them in one layout and they come to at
+    most JOINED_BYTES; else None."""
     stacks = [record.stacked for record in parts.kv]
     if not stacks or any(s is None or s[1] != stacks[0][1] for s in stacks):
+        return None
+    if sum(s[0].nbytes for s in stacks) > JOINED_BYTES:
         return None
     return _preallocated([s[0] for s in stacks], parts.end), stacks[0][1]
 
@@ -380,8 +388,8 @@ def rebuild(template: Sequence[Any], parts: RestoreParts, joined: bool = False) 
     rows, where they have them (one concatenation instead of one a layer and kind). For a GPU:
     a view is copied into a buffer of its own at its layer's first write (MLX updates in place
     only an array that owns its buffer), so until the next call has passed every layer the
-    restored rows take twice their bytes, but the copies are one a layer and kind, not one a
-    block as well."""
+    restored rows take twice their bytes (so only up to JOINED_BYTES are joined), but the copies
+    are one a layer and kind, not one a block as well."""
     end = parts.end
     restored: list[mx.array] = []
     shared = _joined(parts) if joined else None

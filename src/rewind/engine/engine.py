@@ -280,10 +280,13 @@ class Engine:
             return
         self._stopping.set()
         self._wakeup.set()
+        inside = (loop_done is not None and self.model_thread is not None
+                  and self.model_thread.on_thread())  # a listener: the loop ends after this step
         if thread is not None:
             thread.join(timeout)
-        elif loop_done is not None:
-            wait([loop_done], timeout)
+        elif loop_done is not None and not inside and wait([loop_done], timeout).not_done:
+            log.warning("the engine loop did not stop within %.0f s; a later engine on this "
+                        "model's thread runs once it does", timeout)
         self._thread = self._loop_done = None
         atexit.unregister(self.shutdown)
         self._scheduler.abort_all("cancelled", "the engine shut down")

@@ -11,6 +11,7 @@ run their loops on it, one after another, and share what is kept on it (`keep`).
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from concurrent.futures import Future
@@ -32,6 +33,9 @@ class ModelThread:
         self.closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        # At exit after the engines' own hooks (registered later, so run first): the thread
+        # clears MLX's streams as it ends.
+        atexit.register(self.close)
 
     def _serve(self) -> None:
         try:
@@ -72,12 +76,19 @@ class ModelThread:
                 self._kept[key] = make()
             return self._kept[key]
 
+    def on_thread(self) -> bool:
+        """Whether the caller runs on this thread."""
+        return threading.get_ident() == self._thread.ident
+
     def close(self, timeout: float = 30.0) -> None:
-        """Finish what was submitted, then end the thread (clearing MLX's streams on it)."""
+        """Finish what was submitted, then end the thread (clearing MLX's streams on it); from
+        the thread itself, the thread ends once the running call returns."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
             self._queue.put(None)
-        self._thread.join(timeout)
+        atexit.unregister(self.close)
+        if not self.on_thread():
+            self._thread.join(timeout)
         self._kept.clear()

@@ -23,7 +23,7 @@ rewind.engine.model_thread). The keys past n weigh exactly 0 (exp(-inf)), so a q
 softmax sums the same terms, and a call's shapes depend on L and n alone: a cold and a cached
 turn compute the same call alike.
 
-Taken for a plain prompt call only: a cache with `ladder_rows` (rewind.cache.kv.GrowingKVCache,
+Taken for a plain prompt call only, of a head shape cuDNN takes: a cache with `ladder_rows` (rewind.cache.kv.GrowingKVCache,
 a batch-1 prompt call's; kernels do not import the cache package) whose buffer holds the rung, a "causal" mask, no sinks, keys as the cache's own slice.
 `REWIND_PROMPT_SHAPES=off` keeps MLX's exact shapes (read at each call).
 """
@@ -40,10 +40,17 @@ from rewind import env
 # Queries are padded to a multiple of this: the GPU's prompt-call grid (rewind.config
 # GPU_CHUNK_TOKENS), so a call has one padded count.
 QUERY_BUCKET = 256
-# The mask a call's layers share (one per call, not one per layer): key -> additive mask.
-_masks = threading.local()
-# (dtype, query heads, key-value heads, head size) of the calls this process padded.
-_SEEN: set[tuple[mx.Dtype, int, int, int]] = set()
+# Per thread (a model's engines run on its own thread, rewind.engine.model_thread): the mask a
+# call's layers share (`last`: one per call, not one per layer), and the (dtype, query heads,
+# key-value heads, head size) of the calls padded (`seen`), which `warm_graphs` builds for.
+_local = threading.local()
+
+
+def seen() -> set[tuple[mx.Dtype, int, int, int]]:
+    """The head shapes this thread padded."""
+    if not hasattr(_local, "seen"):
+        _local.seen = set()
+    return _local.seen
 
 
 def query_bucket(queries: int) -> int:
@@ -63,9 +70,9 @@ def takes(cache: Any, keys: mx.array, mask: Any, sinks: Any) -> bool:
     tokens = cache.offset
     return (buffer is not None and value_buffer is not None and isinstance(tokens, int)
             and 0 < keys.shape[2] == tokens and buffer.shape[:2] == keys.shape[:2]
-            and value_buffer.shape[2] == buffer.shape[2]
+            and value_buffer.shape == buffer.shape
             and buffer.shape[2] >= ladder_rows(tokens)
-            and buffer.dtype in (mx.bfloat16, mx.float16, mx.float32))
+            and _cudnn_takes(buffer.dtype, buffer.shape[3]))
 
 
 def additive_mask(queries: int, tokens: int, width: int, dtype: mx.Dtype) -> mx.array:
@@ -75,7 +82,7 @@ def additive_mask(queries: int, tokens: int, width: int, dtype: mx.Dtype) -> mx.
         raise ValueError(f"{queries} queries of a cache of {tokens} tokens read as {width}")
     padded = query_bucket(queries)
     key = (queries, tokens, width, dtype)
-    memo = getattr(_masks, "last", None)
+    memo = getattr(_local, "last", None)
     if memo is not None and memo[0] == key:
         return memo[1]
     rows = mx.arange(padded, dtype=mx.int32)
@@ -83,7 +90,7 @@ def additive_mask(queries: int, tokens: int, width: int, dtype: mx.Dtype) -> mx.
     visible = mx.arange(width, dtype=mx.int32)[None, :] <= last_key[:, None]
     mask = mx.where(visible, mx.array(0.0, dtype), mx.array(-float("inf"), dtype))
     mask = mask.reshape(1, 1, padded, width)
-    _masks.last = (key, mask)
+    _local.last = (key, mask)
     return mask
 
 
@@ -93,7 +100,7 @@ def attention(queries: mx.array, cache: Any, scale: float) -> mx.array:
     count = queries.shape[2]
     tokens = cache.offset
     padded, width = query_bucket(count), cache.ladder_rows(tokens)
-    _SEEN.add((queries.dtype, queries.shape[1], cache.keys.shape[1], queries.shape[3]))
+    seen().add((queries.dtype, queries.shape[1], cache.keys.shape[1], queries.shape[3]))
     if padded > count:
         filler = mx.zeros((*queries.shape[:2], padded - count, queries.shape[3]), queries.dtype)
         queries = mx.concatenate([queries, filler], axis=2)
@@ -108,17 +115,19 @@ def attention(queries: mx.array, cache: Any, scale: float) -> mx.array:
 
 def _cudnn_takes(dtype: mx.Dtype, dim: int) -> bool:
     """Whether MLX's CUDA backend gives such a call to cuDNN (head size a multiple of 8, at
-    most 128, half precision); others take its matmul path, with nothing to build."""
+    most 128, half precision). Others take its matmul path, which would compute and hold the
+    padded scores whole ([heads, 256, rung]: ~1 GiB a layer for 16 heads at 100k tokens), so
+    they keep their exact shapes."""
     return dim % 8 == 0 and dim <= 128 and dtype in (mx.bfloat16, mx.float16)
 
 
 def warm_graphs(rungs: list[int]) -> int:
     """Build the graphs of a full call (QUERY_BUCKET queries) reading each of `rungs` rows
     (the KV ladder's rungs up to the context served, rewind.cache.capacity) for each head shape
-    padded so far; run on the thread that will serve. Returns the calls made. ~36 ms a graph on
-    an H100 (18 rungs to 131,072 tokens)."""
+    this thread padded so far; run on the thread that will serve. Returns the calls made. ~36
+    ms a graph on an H100 (18 rungs to 131,072 tokens)."""
     calls = 0
-    for dtype, heads, kv_heads, dim in sorted(_SEEN, key=str):
+    for dtype, heads, kv_heads, dim in sorted(seen(), key=str):
         if not _cudnn_takes(dtype, dim):
             continue
         queries = mx.zeros((1, heads, QUERY_BUCKET, dim), dtype)
