@@ -89,17 +89,18 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None,
     tokens = min(t for t in (context_length(getattr(loaded, "config", None) or {}),
                              engine_config.max_kv_size, PROMPT_GRAPH_TOKENS) if t)
 
-    def longer_contexts() -> None:
+    def longer_contexts() -> int:
         cuda_attention.warm_kernels()
-        if cuda_attention.available():
-            prompt_shapes.warm_graphs(ladder(tokens))
+        return prompt_shapes.warm_graphs(ladder(tokens)) if cuda_attention.available() else 0
 
-    if thread is not None:
-        thread.run(longer_contexts)
-    else:
-        longer_contexts()
-    result = WarmUp(time.perf_counter() - started, generated, cached_tokens)
-    log.info("warmed up %s in %.2f s", getattr(loaded, "name", "the model"), result.seconds)
+    requests_done = time.perf_counter()
+    graphs = thread.run(longer_contexts) if thread is not None else longer_contexts()
+    finished = time.perf_counter()
+    result = WarmUp(finished - started, generated, cached_tokens)
+    # the parts apart: where a slow start-up goes (docs/HARDWARE.md, one-off costs on a GPU)
+    log.info("warmed up %s in %.2f s (requests %.2f s; longer contexts %.2f s, %d prompt "
+             "attention graphs up to %d tokens)", getattr(loaded, "name", "the model"),
+             result.seconds, requests_done - started, finished - requests_done, graphs, tokens)
     return result
 
 
