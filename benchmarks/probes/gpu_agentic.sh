@@ -70,6 +70,7 @@ EOF
   grep "^==" "$out/slow-steps.txt"
 fi
 grep -h -i -E "offload|cuda|gpu" "$out"/logs/llama.cpp-*.log 2>/dev/null | head -n 4 >> "$out/setup.txt"
+grep -h "warmed up" "$out"/logs/rewind-*.log 2>/dev/null >> "$out/setup.txt"  # start-up's parts
 grep -v -E "turn/s|it/s\]" "$out/bench.txt" | tail -n 15
 report="$out/agentic-${TAG:-gpu-random}.md"
 [ -f "$report" ] && sed -n '/^### Whole run/,/^### Start-up/p' "$report" | grep -E "^\|"
