@@ -4,7 +4,7 @@
 # the served turn latencies of server processes in a row, which libmlx.so a clean virtual
 # environment ends with, and (PART=attention) the decode attention kernel against MLX's, then the
 # in-engine cached turn. Writes under $OUT.
-#   PART=shapes|turns|install|attention|host|compiled|engine-compiled|sanitize|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
+#   PART=shapes|turns|install|attention|host|compiled|engine-compiled|sanitize|restore|all  TESTS="tests/..."  INSTALL_TEST=1  RUNS=empty/warm-up,...
 set -u
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -17,6 +17,11 @@ if [ "$part" = all ] || [ "$part" = shapes ]; then
   if [ -n "${TESTS:-}" ]; then
     python3 -m pytest -q -p no:cacheprovider $TESTS > "$out/tests.txt" 2>&1; tail -n 15 "$out/tests.txt"
   fi
+fi
+if [ "$part" = all ] || [ "$part" = restore ]; then
+  # a prompt-cache restore of Llama-3.2-1B's KV layout, per layer and joined (rewind.cache.records)
+  python3 benchmarks/probes/restore_cost.py ${LENGTHS:+--lengths "$LENGTHS"} > "$out/restore-cost.txt" 2>&1
+  tail -n 12 "$out/restore-cost.txt"
 fi
 if [ "$part" = all ] || [ "$part" = turns ]; then
   python3 benchmarks/probes/turn_latency.py --shape "${SHAPE:-qwen3.5-0.8b}" \
