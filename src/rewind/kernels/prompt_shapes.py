@@ -36,10 +36,10 @@ from typing import Any
 import mlx.core as mx
 
 from rewind import env
+from rewind.config import GPU_CHUNK_TOKENS
 
-# Queries are padded to a multiple of this: the GPU's prompt-call grid (rewind.config
-# GPU_CHUNK_TOKENS), so a call has one padded count.
-QUERY_BUCKET = 256
+# Queries are padded to a multiple of the GPU's prompt-call grid, so a call has one padded count.
+QUERY_BUCKET = GPU_CHUNK_TOKENS
 # Per thread (a model's engines run on its own thread, rewind.engine.model_thread): the mask a
 # call's layers share (`last`: one per call, not one per layer), and the (dtype, query heads,
 # key-value heads, head size) of the calls padded (`seen`), which `warm_graphs` builds for.
