@@ -73,8 +73,10 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
     q = mx.zeros((2, 4, 1, 64))
     kv = mx.zeros((2, 2, 16, 64))
     starts = mx.array([0, 3])
-    with pytest.raises(ValueError, match="one query token"):
-        cuda_attention.decode_attention(mx.zeros((2, 4, 2, 64)), kv, kv, 8, starts, 0.1)
+    with pytest.raises(ValueError, match="query tokens per row"):
+        cuda_attention.decode_attention(mx.zeros((2, 4, 65, 64)), kv, kv, 8, starts, 0.1)
+    with pytest.raises(ValueError, match="capacity"):  # 3 positions need 3 keys at least
+        cuda_attention.decode_attention(mx.zeros((2, 4, 3, 64)), kv, kv, 2, starts, 0.1)
     with pytest.raises(ValueError, match="do not fit"):
         cuda_attention.decode_attention(mx.zeros((2, 3, 1, 64)), kv, kv, 8, starts, 0.1)
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -92,7 +92,8 @@ def test_only_plain_prompt_calls_are_taken() -> None:
 def test_a_models_prompt_calls_are_routed_and_give_its_logits(tiny_model_path, monkeypatch):
     """mlx-lm's Llama with Rewind's attention routing (installed on CUDA by the loader; here on
     whatever backend runs) takes each prompt call of a three-call prefill through the padded
-    shapes and gets the exact-shape logits; a one-token call is left alone."""
+    shapes and gets the exact-shape logits; a one-token call takes the decode kernel (here
+    MLX's attention over the same keys stands in for it, where CUDA may be missing)."""
     from mlx_lm.utils import load
 
     model, _ = load(str(tiny_model_path("llama")))
@@ -100,8 +101,14 @@ def test_a_models_prompt_calls_are_routed_and_give_its_logits(tiny_model_path, m
     for which in (model, plain):  # bf16, as on a GPU: the shapes cuDNN takes
         which.set_dtype(mx.bfloat16)
     assert cuda_attention.use_in_model(model) > 0
-    monkeypatch.setattr(cuda_attention, "decode_attention",
-                        lambda *a, **k: pytest.fail("a batch-1 cache took the decode kernel"))
+    decode_calls: list[tuple[int, int]] = []
+
+    def decode(queries, keys, values, length, starts, scale):
+        decode_calls.append((queries.shape[2], length))
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys[..., :length, :], values[..., :length, :], scale=scale)
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", decode)
     calls: list[tuple[int, int]] = []
     original = prompt_shapes.attention
 
@@ -123,6 +130,7 @@ def test_a_models_prompt_calls_are_routed_and_give_its_logits(tiny_model_path, m
     routed, exact = logits(model), logits(plain)
     layers = len(model.layers)
     assert calls == [(37, 37)] * layers + [(219, 256)] * layers + [(43, 299)] * layers
+    assert decode_calls == [(1, 300)] * layers
     for ours, theirs in zip(routed, exact):
         np.testing.assert_allclose(ours, theirs, atol=0.05, rtol=0.05)
 

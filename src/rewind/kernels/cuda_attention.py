@@ -38,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from rewind import env
-from rewind.kernels import prompt_shapes
+from rewind.kernels import cuda_rows, prompt_shapes
 
 WARPS = 8  # warps per block: keys of a span split 8 ways
 # Keys per block. A fixed count, not a fixed number of blocks: how a row's keys are split then
@@ -56,6 +56,9 @@ KEYS_PER_SPAN = 1024
 # D / 32 elements of one key a warp (4 bytes a lane here) and reached ~27% of the HBM bandwidth
 # at 32 rows of 4,096 keys on an H100 (benchmarks/probes/sdpa_mask_cost.py times the choices).
 ELEMENTS_PER_LANE: int | None = None
+# Query tokens a row may bring (a drafted row's check: its input and up to 16 drafts), each a
+# query row of the grid.
+MAX_POSITIONS = 64
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
 
 # Loads a lane's VEC elements as floats: 16-byte loads where the element type allows and the
@@ -112,11 +115,15 @@ _BODY = """
     const int sub = lane % TPK;
     const int spans = SPLIT ? length[2] : 1;
     const int span = blockIdx.x % spans;
+    // b: the query row; POS query rows (a drafted row's positions) share cache row b / POS,
+    // position p's keys ending POS - 1 - p before the last
     const int b = (blockIdx.x / spans) / HKV;
     const int hk = (blockIdx.x / spans) % HKV;
+    const int kv_row = b / POS;
     const size_t capacity = (size_t)length[1];
-    const int total = min(length[0], (int)capacity);  // never a slot after the buffer
-    const int first = min(max(starts[b], 0), total);  // never a slot outside the keys
+    // never a slot after the buffer
+    const int total = min(length[0] - (POS - 1 - b % POS), (int)capacity);
+    const int first = min(max(starts[kv_row], 0), total);  // never a slot outside the keys
     // spans are counted from the row's first key, so padding never moves a key to another span
     const int lo = SPLIT ? first + span * CHUNK : first;
     const int hi = SPLIT ? min(lo + CHUNK, total) : total;
@@ -135,7 +142,7 @@ _BODY = """
 #pragma unroll
       for (int i = 0; i < VEC; ++i) qr[g][i] = static_cast<float>(q_row[i]) * query_scale;
     }
-    const size_t head_base = ((size_t)b * HKV + hk) * capacity * D + sub * VEC;
+    const size_t head_base = ((size_t)kv_row * HKV + hk) * capacity * D + sub * VEC;
     const InT* k_head = k + head_base;
     const InT* v_head = v + head_base;
 
@@ -364,13 +371,15 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
                      elements_per_lane: int | None = ELEMENTS_PER_LANE) -> mx.array:
     """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
 
-    queries [B, Hq, 1, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
-    length; starts [B] integers. `length` may be a one-element array (a compiled step keeps it
-    on the device; the kernel clamps it to the capacity). Raises ValueError for shapes the
-    kernel does not take."""
-    batch, query_heads, rows, dim = queries.shape
-    if rows != 1:
-        raise ValueError(f"one query token per row, got {rows}")
+    queries [B, Hq, P, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
+    length; starts [B] integers. Position p of P (the last P tokens of a row, a drafted row's
+    check) takes keys [starts[b], length - (P - 1 - p)), each position as a row of its own: its
+    bits are those of a one-token call at that length. `length` may be a one-element array (a
+    compiled step keeps it on the device; the kernel clamps it to the capacity). Raises
+    ValueError for shapes the kernel does not take."""
+    batch, query_heads, positions, dim = queries.shape
+    if not 1 <= positions <= MAX_POSITIONS:
+        raise ValueError(f"1 to {MAX_POSITIONS} query tokens per row, got {positions}")
     if key_buffer.shape != value_buffer.shape or key_buffer.ndim != 4:
         raise ValueError(f"keys {key_buffer.shape} and values {value_buffer.shape} differ")
     kv_batch, kv_heads, capacity, kv_dim = key_buffer.shape
@@ -398,37 +407,44 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         spans = -(-capacity // keys_per_span)
         bounds = mx.concatenate([length.reshape(1).astype(mx.int32),
                                  mx.array([capacity, spans], mx.int32)])
-    elif 0 < length <= capacity:
+    elif positions <= length <= capacity:
         spans = -(-length // keys_per_span)
         bounds = mx.array([length, capacity, spans], mx.int32)  # one small upload a layer
     else:
         raise ValueError(f"length {length} of capacity {capacity}")
     dtype = queries.dtype
     _SEEN.add((dtype, dim, query_heads, kv_heads))
+    if positions > 1:  # one query row per position: [B * P, Hq, 1, D]
+        queries = queries.transpose(0, 2, 1, 3).reshape(batch * positions, query_heads, 1, dim)
     inputs = [queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
               starts.astype(mx.int32), bounds, mx.array([scale], mx.float32)]
     # the capacity and the span count are inputs, not template arguments: buffers grow along a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
                 ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span),
-                ("VEC", vec)]
+                ("VEC", vec), ("POS", positions)]
     threads = 32 * WARPS
+    rows = batch * positions
     if spans == 1:
-        return _kernel()(
+        out = _kernel()(
             inputs=inputs, template=template + [("SPLIT", 0)],
-            grid=(batch * kv_heads * threads, 1, 1), threadgroup=(threads, 1, 1),
+            grid=(rows * kv_heads * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[dtype])[0]
-    heads = batch * query_heads
-    part_o, part_m, part_l = _spans_kernel()(
-        inputs=inputs, template=template + [("SPLIT", 1)],
-        grid=(batch * kv_heads * spans * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(heads, spans, dim), (heads, spans), (heads, spans)],
-        output_dtypes=[mx.float32] * 3)
-    return _combine_kernel()(
-        inputs=[part_o, part_m, part_l, bounds],
-        template=[("OutT", dtype), ("D", dim)],
-        grid=(heads * 32, 1, 1), threadgroup=(32, 1, 1),
-        output_shapes=[queries.shape], output_dtypes=[dtype])[0]
+    else:
+        heads = rows * query_heads
+        part_o, part_m, part_l = _spans_kernel()(
+            inputs=inputs, template=template + [("SPLIT", 1)],
+            grid=(rows * kv_heads * spans * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(heads, spans, dim), (heads, spans), (heads, spans)],
+            output_dtypes=[mx.float32] * 3)
+        out = _combine_kernel()(
+            inputs=[part_o, part_m, part_l, bounds],
+            template=[("OutT", dtype), ("D", dim)],
+            grid=(heads * 32, 1, 1), threadgroup=(32, 1, 1),
+            output_shapes=[queries.shape], output_dtypes=[dtype])[0]
+    if positions == 1:
+        return out
+    return out.reshape(batch, positions, query_heads, dim).transpose(0, 2, 1, 3)
 
 
 def _padded_layout(cache: Any, keys: mx.array, mask: Any) -> tuple[int, mx.array] | None:
@@ -453,6 +469,25 @@ def _padded_layout(cache: Any, keys: mx.array, mask: Any) -> tuple[int, mx.array
     return length, starts
 
 
+def _lone_row(queries: mx.array, keys: mx.array, cache: Any, mask: Any) -> bool:
+    """Whether this call is one row's (a batch-1 cache holding every key it has seen, no
+    padding) decode step (one position, no mask), or inside cuda_rows.rows_alone a drafted
+    row's check (up to cuda_rows.MAX_ROWS positions, causal): positions the kernel computes
+    each alone, with the bits of one-token steps."""
+    positions = queries.shape[2]
+    if positions == 1:
+        if mask is not None:
+            return False
+    elif not (isinstance(mask, str) and mask == "causal" and positions <= cuda_rows.MAX_ROWS
+              and cuda_rows.rows_alone_on()):
+        return False
+    tokens = getattr(cache, "offset", None)
+    return (getattr(cache, "ladder_rows", None) is not None and isinstance(tokens, int)
+            and cache.keys is not None and cache.values is not None
+            and cache.keys.shape[0] == 1 == queries.shape[0] and keys.shape[2] == tokens
+            and positions <= tokens <= cache.keys.shape[2])
+
+
 def _kernel_takes(queries: mx.array, cache: Any) -> bool:
     """Shapes and types the kernel computes as they are: one head size for queries, keys and
     values (DeepSeek-V2-like layers have wider keys than values), whole groups of query heads
@@ -472,17 +507,21 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
     """mlx_lm.models.base.scaled_dot_product_attention with the kernel where it applies."""
     from mlx_lm.models import base
 
-    if (sinks is None and queries.shape[2] == 1 and not hasattr(cache, "bits")
-            and not env.cuda_attention_off()):
-        if getattr(cache, "fixed_capacity", False) and _kernel_takes(queries, cache):
+    if sinks is None and not hasattr(cache, "bits") and not env.cuda_attention_off():
+        if (queries.shape[2] == 1 and getattr(cache, "fixed_capacity", False)
+                and _kernel_takes(queries, cache)):
             # a compiled decode step's view (rewind.engine.compiled_decode): the whole buffer,
             # its length on the device
             return decode_attention(queries, cache.keys, cache.values, cache.filled(),
                                     cache.starts, scale)
-        layout = _padded_layout(cache, keys, mask)
+        layout = _padded_layout(cache, keys, mask) if queries.shape[2] == 1 else None
         if layout is not None and _kernel_takes(queries, cache):
             length, starts = layout
             return decode_attention(queries, cache.keys, cache.values, length, starts, scale)
+        if _lone_row(queries, keys, cache, mask) and _kernel_takes(queries, cache):
+            # one row's cache: a decode step, or a drafted row's check (its positions alone)
+            return decode_attention(queries, cache.keys, cache.values, cache.offset,
+                                    mx.zeros((1,), mx.int32), scale)
     if queries.shape[2] > 1 and prompt_shapes.takes(cache, keys, mask, sinks):
         return prompt_shapes.attention(queries, cache, scale)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,

@@ -170,12 +170,14 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
             if fused_projections.wanted():
                 fused_projections.use_in_model(model)
         if mx.cuda.is_available():
-            from rewind.kernels import cuda_attention, shifted_conv
+            from rewind.kernels import cuda_attention, cuda_rows, shifted_conv
 
             shifted_conv.use_in_model(model)  # no cuDNN plan per new prompt-chunk length
             # a decode batch of rows of mixed lengths without MLX's masked (unfused) attention;
             # Metal's fused attention takes the mask itself
             cuda_attention.use_in_model(model)
+            # a drafted row's check with each position's bits a one-token step's (speculation)
+            cuda_rows.use_in_model(model)
         return model
     if stored is not None:
         from rewind.kernels.fast_head import install_fast_head

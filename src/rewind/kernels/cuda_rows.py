@@ -1,0 +1,171 @@
+"""Matrix products whose rows compute alone on CUDA: x [P, K] @ W^T for a few rows P, each row
+summed exactly as MLX's one-row product sums it (mx.fast.cuda_kernel).
+
+Why: speculative decoding checks a drafted row's k tokens in one call of k + 1 positions, and
+keeps them only if each position's logits are the bits a one-token step computes. MLX's CUDA
+matmul takes its matrix-vector kernel (`gemv`, mlx/backend/cuda/gemms/gemv.cu) for one row and a
+cuBLAS algorithm chosen per shape for more, which sums in another order. This kernel is MLX's
+gemv with the rows of x as an inner loop: a warp takes one output column, each lane sums its
+slices of K in gemv's order (N_PER elements at a time, a warp's stride apart, one fused
+multiply-add each, in float), and the warp's sums meet in the same cooperative-groups reduction.
+So each row's output is the one-row product's bits, and each weight is read once for all the
+rows of a group (GROUP_ROWS; P up to 17 reads them three times at most).
+
+Where the bits come from: gemv_impl in MLX 0.32's gemv.cu (n_per_thread 4 when K % 128 == 0, 2
+when K % 64 == 0, else 1, for aligned buffers; accumulation in float for bf16/fp16; cg::reduce
+with cg::plus). Both MLX's build and NVRTC contract `sum += a * b` into one fused multiply-add
+(neither passes fast-math flags). `same_as_mlx` checks it on the device it runs on, and the
+tests and benchmarks/probes/row_alone.py compare against MLX to the bit; if an MLX release sums
+another way the check fails and speculation stays off (rewind.kernels.rows_alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Rows summed per pass over the weights: each lane holds a float sum per row and the slice of
+# W it loaded once for them all.
+GROUP_ROWS = 8
+ROWS_PER_BLOCK = 8  # warps per block, one output column each (gemv's rows_per_block)
+MAX_ROWS = 64  # calls with more rows go to MLX (cuBLAS): the kernel would read W too often
+
+_SOURCE = """
+    constexpr int WARP = 32;
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<WARP>(block);
+    const int lane = warp.thread_rank();
+    const int column = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
+    const int group = blockIdx.y;
+    const int rows = shape[0];
+    const int n = shape[1];
+    const int k = shape[2];
+    if (column >= n) return;
+    const int first = group * GROUP_ROWS;
+    const InT* w_row = w + (size_t)column * k;
+    float sum[GROUP_ROWS];
+#pragma unroll
+    for (int r = 0; r < GROUP_ROWS; ++r) sum[r] = 0.0f;
+    for (int col = N_PER * lane; col < k; col += WARP * N_PER) {
+      InT wv[N_PER];
+#pragma unroll
+      for (int j = 0; j < N_PER; ++j) wv[j] = w_row[col + j];
+#pragma unroll
+      for (int r = 0; r < GROUP_ROWS; ++r) {
+        if (first + r < rows) {
+          const InT* x_row = x + (size_t)(first + r) * k + col;
+#pragma unroll
+          for (int j = 0; j < N_PER; ++j) {
+            sum[r] += static_cast<float>(wv[j]) * static_cast<float>(x_row[j]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < GROUP_ROWS; ++r) {
+      if (first + r < rows) {
+        const float total = cg::reduce(warp, sum[r], cg::plus<float>());
+        if (lane == 0) out[(size_t)(first + r) * n + column] = static_cast<InT>(total);
+      }
+    }
+"""
+
+
+def available() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def elements_per_lane(k: int) -> int:
+    """gemv's n_per_thread for aligned buffers (MLX arrays are)."""
+    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(name="rewind_rows_alone_matmul", input_names=["x", "w", "shape"],
+                               output_names=["out"], source=_SOURCE)
+
+
+def matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """x [..., K] @ weight^T for weight [N, K]: [..., N], each row of x alone (see module
+    docstring). Raises ValueError for what the kernel does not take: another dtype than bf16 or
+    fp16, x and weight of different dtypes, more than MAX_ROWS rows."""
+    if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {x.shape} does not fit weight {weight.shape}")
+    if x.dtype != weight.dtype or x.dtype not in (mx.bfloat16, mx.float16):
+        raise ValueError(f"bf16 or fp16 x and weight of one dtype, not {x.dtype} / {weight.dtype}")
+    lead = x.shape[:-1]
+    rows = 1
+    for size in lead:
+        rows *= size
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"{rows} rows: 1 to {MAX_ROWS}")
+    n, k = weight.shape
+    flat = x.reshape(rows, k)
+    groups = -(-rows // GROUP_ROWS)
+    out = _kernel()(
+        inputs=[flat, weight, mx.array([rows, n, k], mx.int32)],
+        template=[("InT", x.dtype), ("N_PER", elements_per_lane(k)),
+                  ("GROUP_ROWS", GROUP_ROWS), ("ROWS_PER_BLOCK", ROWS_PER_BLOCK)],
+        grid=(32 * -(-n // ROWS_PER_BLOCK), ROWS_PER_BLOCK * groups, 1),
+        threadgroup=(32, ROWS_PER_BLOCK, 1),
+        output_shapes=[(rows, n)], output_dtypes=[x.dtype])[0]
+    return out.reshape(*lead, n)
+
+
+# ---- which calls take it -----------------------------------------------------------------------
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def rows_alone() -> Iterator[None]:
+    """Inside: this thread's RowsLinear layers with 2 to MAX_ROWS rows, and batch-1 attention
+    calls of up to MAX_ROWS positions, compute each position alone (a drafted row's check).
+    Outside, those calls stay MLX's, whose cuBLAS products a decode batch's rows share."""
+    before = getattr(_local, "on", False)
+    _local.on = True
+    try:
+        yield
+    finally:
+        _local.on = before
+
+
+def rows_alone_on() -> bool:
+    return getattr(_local, "on", False)
+
+
+class RowsLinear(nn.Linear):
+    """nn.Linear (no bias) whose calls of several rows inside `rows_alone` run this module's
+    kernel: each row the bits of MLX's one-row product. Its other calls are nn.Linear's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if rows_alone_on() and x.dtype == weight.dtype and x.size // x.shape[-1] <= MAX_ROWS:
+            return matmul(x, weight)
+        return x @ weight.T
+
+
+def takes_linear(module: Any) -> bool:
+    """A bias-free nn.Linear of bf16 or fp16 weights (MLX adds a bias in cuBLAS's epilogue,
+    for one row as well: no gemv to match)."""
+    return (type(module) in (nn.Linear, RowsLinear) and "bias" not in module
+            and module.weight.ndim == 2 and module.weight.dtype in (mx.bfloat16, mx.float16))
+
+
+def use_in_model(model: Any) -> int:
+    """Make every bias-free bf16/fp16 nn.Linear of `model` a RowsLinear, in place (the same
+    object: references held elsewhere, such as fused projections' shared product, see the
+    change); returns how many. The class changes, nothing else: outside `rows_alone` they
+    compute as before."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear and takes_linear(module):
+            module.__class__ = RowsLinear
+            count += 1
+    return count
