@@ -383,3 +383,41 @@ def test_sampled_answers_keep_their_distribution(tiny_loaded):
         table = [[sum(1 for t in drawn[mode] if t[position] == token) for token in tokens]
                  for mode in ("suffix", "off")]
         assert _chi_square_p_above(table, 0.001), (position, tokens, table)
+
+
+def _cuda() -> bool:
+    from rewind.kernels import cuda_rows
+
+    return cuda_rows.available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs MLX's CUDA backend")
+def test_on_cuda_a_lone_row_drafts_and_answers_as_plain_decoding(tiny_model_path, tmp_path):
+    """On CUDA, a bf16 model whose layers have kernels computing each position alone
+    (rewind.kernels.cuda_rows): a row decoding alone checks its drafts in one call, and every
+    answer (alone, then three at once; greedy, then seeded) is plain decoding's, tokens and
+    log-probabilities, bit for bit; the second ask of each prompt drafts from the first answer
+    and keeps most of it."""
+    import mlx.core as mx
+
+    loaded = load_model(str(tiny_model_path("llama")), dtype=mx.bfloat16)
+    prompts = random_prompts(loaded, [150, 190, 230])
+    results = {}
+    for mode in ("off", "suffix"):
+        with cached_engine(loaded, EngineConfig(parallel=3, chunk_tokens=32, speculative=mode),
+                           tmp_path / mode) as engine:
+            assert engine._scheduler.runner.lone_rows_exact
+            runs = []
+            for temperature in (0.0, 0.9):
+                for p in prompts + prompts:  # each alone, twice: the second drafts from the first
+                    runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))])
+                runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))
+                                         for p in prompts])
+            speculator = engine._scheduler.speculator
+            results[mode] = (runs, None if speculator is None else speculator.counters)
+    plain, spec = results["off"][0], results["suffix"][0]
+    for one, other in zip(plain, spec):
+        assert one[0] == other[0]
+        assert one[1] == other[1]
+    counters = results["suffix"][1]
+    assert counters.accepted_tokens >= 100, counters

@@ -35,7 +35,7 @@ from rewind.engine.residuals import given_residuals
 from rewind.engine.segment import RowCaches, Segment
 from rewind.engine.step_inputs import decode_segments, prefill_segment
 from rewind.engine.step_plan import StepOutput, StepPlan
-from rewind.kernels import gated_delta
+from rewind.kernels import cuda_rows, gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.engine.model_thread import ModelThread
 from rewind.kernels.model_split import pipeline_stages, split_model
@@ -73,8 +73,11 @@ class ModelRunner:
         # MLX's layers on the CPU where each position computes alone (rewind.kernels
         # .native_linear.rows_compute_alone): a row decoding alone can check a draft in a call
         # of its own and give back what was not kept, as on the CPU kernels.
+        # On CUDA, the same inside cuda_rows.rows_alone where every layer's products and
+        # attention have kernels that compute each position alone and every cache holds one
+        # row's keys (no window, no recurrence).
         self.lone_rows_exact = (self.layer_count is None and split_model(model) is not None
-                                and rows_compute_alone(model))
+                                and (rows_compute_alone(model) or _cuda_rows_alone(model)))
         # Set by the scheduler when rows draft: a row decoding alone keeps its own caches
         # (RowCaches of one row); two or more share one merged batch cache.
         self.lone_rows = False
@@ -261,6 +264,11 @@ class ModelRunner:
                 # A drafting row: its linear-attention layers keep what giving back needs.
                 with linear_steps.recording(segment.cache):
                     hidden[i] = self._one(split, segment)
+            elif segment.logit_positions > 1 and self.lone_rows:
+                # A drafting row's check: each position alone (CUDA's kernels; nothing to do
+                # on the CPU, whose kernels always compute so)
+                with cuda_rows.rows_alone():
+                    hidden[i] = self._one(split, segment)
             elif self.compiled_decode is not None and self.compiled_decode.takes(segment):
                 hidden[i] = self.compiled_decode(segment)
                 if hidden[i] is None:  # the model's trace failed: the plain call
@@ -367,6 +375,16 @@ class ModelRunner:
             out[i] = _per_row(logits[start:start + count], segments[i].logit_positions)
             start += count
         return out
+
+
+def _cuda_rows_alone(model: Any) -> bool:
+    """cuda_rows.layers_compute_rows_alone, and every cache one row's growing keys (a sliding
+    window's or a recurrence's cache would take the positions together)."""
+    if not cuda_rows.layers_compute_rows_alone(model):
+        return False
+    from rewind.cache.kv import GrowingKVCache, make_cache
+
+    return all(type(layer) is GrowingKVCache for layer in make_cache(model))
 
 
 def _last_positions(hidden: mx.array, positions: int) -> mx.array:

@@ -488,6 +488,14 @@ def _lone_row(queries: mx.array, keys: mx.array, cache: Any, mask: Any) -> bool:
             and positions <= tokens <= cache.keys.shape[2])
 
 
+def kernel_takes_heads(query_heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether the kernel computes heads of this shape (bf16/fp16 buffers aside)."""
+    group = query_heads // kv_heads
+    return (dim % 32 == 0 and dim <= 256 and query_heads % kv_heads == 0
+            and _lanes_fit(dim, _elements_per_lane(dim, group))
+            and _partials_bytes(group, dim) <= _SHARED_BYTES)
+
+
 def _kernel_takes(queries: mx.array, cache: Any) -> bool:
     """Shapes and types the kernel computes as they are: one head size for queries, keys and
     values (DeepSeek-V2-like layers have wider keys than values), whole groups of query heads

@@ -169,3 +169,39 @@ def use_in_model(model: Any) -> int:
             module.__class__ = RowsLinear
             count += 1
     return count
+
+
+# Modules with a 2-D weight that compute each position alone: lookups and norms.
+_PER_POSITION = (nn.Embedding, nn.RMSNorm, nn.LayerNorm)
+_PER_POSITION_NAMES = frozenset({"StoredEmbedding", "InPlaceEmbedding", "ScaledEmbedding"})
+
+
+def layers_compute_rows_alone(model: Any) -> bool:
+    """Whether, on CUDA, each position of a call through `model`'s layers inside `rows_alone`
+    gets the bits of a one-token call: every product a RowsLinear (the output head is the
+    runner's, one position a call), every attention module's heads of a size the decode kernel
+    takes (rewind.kernels.cuda_attention). The caller checks the caches (one row's keys, no
+    window: rewind.engine.runner)."""
+    from rewind import env
+    from rewind.kernels import cuda_attention
+
+    if not available() or env.cuda_attention_off():
+        return False
+    attention = 0
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "lm_head":
+            continue
+        heads, kv_heads = getattr(module, "n_heads", None), getattr(module, "n_kv_heads", None)
+        if isinstance(heads, int) and isinstance(kv_heads, int):
+            dim = getattr(module, "head_dim", None)
+            if not (isinstance(dim, int) and kv_heads > 0 and heads % kv_heads == 0
+                    and cuda_attention.kernel_takes_heads(heads, kv_heads, dim)):
+                return False
+            attention += 1
+        if type(module) is RowsLinear or isinstance(module, _PER_POSITION) \
+                or type(module).__name__ in _PER_POSITION_NAMES:
+            continue
+        weight = module.get("weight") if isinstance(module, dict) else None
+        if isinstance(weight, mx.array) and weight.ndim >= 2:
+            return False
+    return attention > 0
