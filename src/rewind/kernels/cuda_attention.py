@@ -116,7 +116,9 @@ _BODY = """
     const int spans = SPLIT ? length[2] : 1;
     const int span = blockIdx.x % spans;
     // b: the query row; POS query rows (a drafted row's positions) share cache row b / POS,
-    // position p's keys ending POS - 1 - p before the last
+    // position p's keys ending POS - 1 - p before the last (an input, not a template argument:
+    // each draft length would compile the kernel anew)
+    const int POS = length[3];
     const int b = (blockIdx.x / spans) / HKV;
     const int hk = (blockIdx.x / spans) % HKV;
     const int kv_row = b / POS;
@@ -406,10 +408,10 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         # row's last key find nothing and weigh 0)
         spans = -(-capacity // keys_per_span)
         bounds = mx.concatenate([length.reshape(1).astype(mx.int32),
-                                 mx.array([capacity, spans], mx.int32)])
+                                 mx.array([capacity, spans, positions], mx.int32)])
     elif positions <= length <= capacity:
         spans = -(-length // keys_per_span)
-        bounds = mx.array([length, capacity, spans], mx.int32)  # one small upload a layer
+        bounds = mx.array([length, capacity, spans, positions], mx.int32)  # a small upload
     else:
         raise ValueError(f"length {length} of capacity {capacity}")
     dtype = queries.dtype
@@ -422,7 +424,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
                 ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span),
-                ("VEC", vec), ("POS", positions)]
+                ("VEC", vec)]
     threads = 32 * WARPS
     rows = batch * positions
     if spans == 1:
