@@ -356,10 +356,14 @@ class ModelRunner:
             # MLX's matmul may sum in another order for another row count (OpenBLAS's gemv
             # against its gemm): one call each, and one a position, so a drafted position's
             # logits are those a one-token step computes.
+            rows_head = cuda_rows.head_of(split.head) if self.lone_rows else None
             for i in wanted:
                 n = segments[i].logit_positions
                 if n == 1:
                     out[i] = split.logits(hidden[i][:, -1, :])
+                elif rows_head is not None and n <= cuda_rows.MAX_ROWS:
+                    # CUDA: every position alone, the head's weight read once for eight
+                    out[i] = split.logits(hidden[i][:, -n:, :], rows_head)
                 else:
                     out[i] = mx.stack([split.logits(hidden[i][:, p, :])
                                        for p in range(-n, 0)], axis=1)

@@ -205,3 +205,22 @@ def layers_compute_rows_alone(model: Any) -> bool:
         if isinstance(weight, mx.array) and weight.ndim >= 2:
             return False
     return attention > 0
+
+
+def head_of(head: Any) -> Any:
+    """A model's output head (rewind.kernels.model_split: a Linear, or a tied embedding's
+    `as_linear`) as this module's product, or None where it is another kind (quantized): each
+    position of a drafted row's check then gets a one-row call's logits with the head's weight
+    read once for eight positions, not once a position."""
+    if not available():
+        return None
+    owner = getattr(head, "__self__", None)
+    if type(owner) is nn.Embedding and getattr(head, "__name__", "") == "as_linear":
+        weight = owner.weight
+    elif type(head) is RowsLinear:
+        weight = head.weight
+    else:
+        return None
+    if weight.ndim != 2 or weight.dtype not in (mx.bfloat16, mx.float16):
+        return None
+    return lambda hidden: matmul(hidden, weight)
