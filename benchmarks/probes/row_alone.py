@@ -143,6 +143,11 @@ def model_rows(quick: bool) -> list[dict[str, Any]]:
             logits_steps = [split.logits(stepped[:, p, :]) for p in range(count)]
             logits_together = [split.logits(together[:, p, :]) for p in range(count)]
             kept = [p for p in range(count) if same(logits_steps[p], logits_together[p])]
+            rows_head = cuda_rows.head_of(split.head)
+            head_rows = (None if rows_head is None
+                         else split.logits(together, rows_head))
+            head_kept = (None if head_rows is None else
+                         sum(same(logits_steps[p], head_rows[:, p, :]) for p in range(count)))
 
             def one_step() -> Any:
                 c = prefilled()
@@ -163,6 +168,7 @@ def model_rows(quick: bool) -> list[dict[str, Any]]:
                 "piece": f"{name} backbone", "prefix": prefix, "positions": count,
                 "hidden_equal": same(stepped, together),
                 "positions_with_equal_logits": len(kept),
+                "positions_with_equal_logits_rows_head": head_kept,
                 "max_hidden_diff": float(mx.abs(stepped.astype(mx.float32)
                                                 - together.astype(mx.float32)).max().item()),
                 "one_token_call_ms": statistics.median(one_step() for _ in range(5)) * 1e3,
