@@ -93,8 +93,9 @@ class Scheduler:
         mode = resolve_mode(config.speculative, rows_alone and not self.pipeline)
         if mode != "off" and not rows_alone:
             log.warning("speculative decoding (%s) needs rows that compute alone (the CPU "
-                        "kernels, or MLX's layers on the CPU with bf16 weights); this backend "
-                        "decodes without it", mode)
+                        "kernels, MLX's layers on the CPU with bf16 weights, or on CUDA a bf16 "
+                        "model of attention layers over growing caches); this model and backend "
+                        "decode without it", mode)
             mode = "off"
         if mode != "off":
             self.pipeline = False

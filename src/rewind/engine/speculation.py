@@ -27,9 +27,13 @@ When it does not pay it is off:
   exact: rows decoding on caches of their own through the CPU kernels (the runner's RowCaches),
   and MLX's layers on the CPU with bf16 weights (rewind.kernels.native_linear
   .rows_compute_alone: Qwen 3.5, Gemma 4), where a row drafts while it decodes alone (a batch
-  shares one merged cache, whose rows cannot give back different numbers of tokens). MLX's
-  batched forward on GPUs and Metal sums in another order for another row count, so `auto` is
-  off there.
+  shares one merged cache, whose rows cannot give back different numbers of tokens). On CUDA
+  the same for bf16/fp16 models whose every layer is attention over a growing cache and
+  bias-free products (Llama-like): inside rewind.kernels.cuda_rows.rows_alone a drafted row's
+  check runs kernels that compute each position with a one-token step's bits. MLX's own
+  batched forward (Metal; CUDA elsewhere) sums in another order for another row count. `auto`
+  stays off on GPUs, where the decode step is pipelined (queued before the last one's tokens
+  are read), which drafting gives up; a mode named explicitly drafts where rows compute alone.
 """
 
 from __future__ import annotations
