@@ -179,7 +179,8 @@ def model_rows(quick: bool) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python benchmarks/probes/{Path(__file__).name}",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="")
     parser.add_argument("--parts", default="products,attention,model")

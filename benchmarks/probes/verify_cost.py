@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if runner.layer_count is None:
         if not runner.lone_rows_exact:
             raise SystemExit("verify-cost measures steps whose rows compute alone (the CPU "
-                             "kernels, or MLX's layers on the CPU with bf16 weights); this "
-                             "backend or model does not run them")
+                             "kernels, MLX's layers on the CPU with bf16 weights, or on CUDA "
+                             "a bf16 model of attention layers); this backend or model does "
+                             "not run them")
         # MLX's layers: a row drafts only while it decodes alone (rewind.engine.scheduler).
         runner.draft_alone()
         rows_list, args.rows = [1], "1"
