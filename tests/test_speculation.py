@@ -394,10 +394,11 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs MLX's CUDA backend")
 def test_on_cuda_a_lone_row_drafts_and_answers_as_plain_decoding(tiny_model_path, tmp_path):
     """On CUDA, a bf16 model whose layers have kernels computing each position alone
-    (rewind.kernels.cuda_rows): a row decoding alone checks its drafts in one call, and every
-    answer (alone, then three at once; greedy, then seeded) is plain decoding's, tokens and
-    log-probabilities, bit for bit; the second ask of each prompt drafts from the first answer
-    and keeps most of it."""
+    (rewind.kernels.cuda_rows): a request decoding alone checks its drafts in one call, and its
+    answer (greedy, then seeded) is plain decoding's, tokens and log-probabilities, bit for bit;
+    the second ask of each prompt drafts from the first answer and keeps most of it. (Rows that
+    decode together on a GPU share MLX's batched products, whose bits depend on the batch, with
+    or without speculation: those are not compared here.)"""
     import mlx.core as mx
 
     loaded = load_model(str(tiny_model_path("llama")), dtype=mx.bfloat16)
@@ -411,8 +412,6 @@ def test_on_cuda_a_lone_row_drafts_and_answers_as_plain_decoding(tiny_model_path
             for temperature in (0.0, 0.9):
                 for p in prompts + prompts:  # each alone, twice: the second drafts from the first
                     runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))])
-                runs += answers(engine, [GenerationRequest(p, params(engine, 40, temperature))
-                                         for p in prompts])
             speculator = engine._scheduler.speculator
             results[mode] = (runs, None if speculator is None else speculator.counters)
     plain, spec = results["off"][0], results["suffix"][0]

@@ -76,8 +76,13 @@ class ModelRunner:
         # On CUDA, the same inside cuda_rows.rows_alone where every layer's products and
         # attention have kernels that compute each position alone and every cache holds one
         # row's keys (no window, no recurrence).
+        cuda_rows_alone = (self.layer_count is None and not rows_compute_alone(model)
+                           and _cuda_rows_alone(model, max_kv_size))
         self.lone_rows_exact = (self.layer_count is None and split_model(model) is not None
-                                and (rows_compute_alone(model) or _cuda_rows_alone(model)))
+                                and (rows_compute_alone(model) or cuda_rows_alone))
+        # The positions a drafted row's check may bring (its input and drafts): the CUDA
+        # kernels' rows (cuda_rows.MAX_ROWS); no bound elsewhere.
+        self.max_check_positions: int | None = cuda_rows.MAX_ROWS if cuda_rows_alone else None
         # Set by the scheduler when rows draft: a row decoding alone keeps its own caches
         # (RowCaches of one row); two or more share one merged batch cache.
         self.lone_rows = False
@@ -381,14 +386,20 @@ class ModelRunner:
         return out
 
 
-def _cuda_rows_alone(model: Any) -> bool:
-    """cuda_rows.layers_compute_rows_alone, and every cache one row's growing keys (a sliding
-    window's or a recurrence's cache would take the positions together)."""
-    if not cuda_rows.layers_compute_rows_alone(model):
+def _cuda_rows_alone(model: Any, max_kv_size: int | None) -> bool:
+    """cuda_rows.layers_compute_rows_alone, every cache one row's growing keys (a sliding
+    window's or a recurrence's cache would take the positions together), and the product
+    kernel giving MLX's one-row bits for this model's weights on this GPU."""
+    split = split_model(model)
+    if split is None or not cuda_rows.layers_compute_rows_alone(model):
         return False
     from rewind.cache.kv import GrowingKVCache, make_cache
 
-    return all(type(layer) is GrowingKVCache for layer in make_cache(model))
+    if not all(type(layer) is GrowingKVCache
+               for layer in make_cache(model, max_kv_size=max_kv_size)):
+        return False
+    return (cuda_rows.head_of(split.head) is not None
+            and cuda_rows.same_as_mlx(cuda_rows.weights_of(model, split.head)))
 
 
 def _last_positions(hidden: mx.array, positions: int) -> mx.array:

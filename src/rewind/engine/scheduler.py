@@ -105,9 +105,12 @@ class Scheduler:
             mode = "draft"
         elif draft_model is not None:
             log.warning("the draft model is not used: speculative decoding is %s here", mode)
+        max_draft = config.speculative_max_draft
+        if runner.max_check_positions is not None:  # what the backend's check can take
+            max_draft = min(max_draft, runner.max_check_positions - 1)
         self.speculator: Speculator | None = (
             None if mode == "off" else Speculator(
-                mode, config.speculative_max_draft, config.speculative_step_tokens,
+                mode, max_draft, config.speculative_step_tokens,
                 weighs_cost=config.speculative == "auto" and mode != "draft",
                 draft_model=draft_model if mode == "draft" else None))
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens

@@ -532,6 +532,8 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
             # one row's cache: a decode step, or a drafted row's check (its positions alone)
             return decode_attention(queries, cache.keys, cache.values, cache.offset,
                                     mx.zeros((1,), mx.int32), scale)
+    if queries.shape[2] > 1 and cuda_rows.rows_alone_on():
+        cuda_rows.missed(f"attention over {queries.shape[2]} positions")
     if queries.shape[2] > 1 and prompt_shapes.takes(cache, keys, mask, sinks):
         return prompt_shapes.attention(queries, cache, scale)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,

@@ -14,20 +14,24 @@ rows of a group (GROUP_ROWS; P up to 17 reads them three times at most).
 Where the bits come from: gemv_impl in MLX 0.32's gemv.cu (n_per_thread 4 when K % 128 == 0, 2
 when K % 64 == 0, else 1, for aligned buffers; accumulation in float for bf16/fp16; cg::reduce
 with cg::plus). Both MLX's build and NVRTC contract `sum += a * b` into one fused multiply-add
-(neither passes fast-math flags). `same_as_mlx` checks it on the device it runs on, and the
-tests and benchmarks/probes/row_alone.py compare against MLX to the bit; if an MLX release sums
-another way the check fails and speculation stays off (rewind.kernels.rows_alone).
+(neither passes fast-math flags). `same_as_mlx` checks it for a model's own weights on the
+device it runs on when the model loads into an engine (rewind.engine.runner), and the tests and
+benchmarks/probes/row_alone.py compare against MLX to the bit; if an MLX release sums another
+way the check fails and the model's rows do not draft.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+
+log = logging.getLogger(__name__)
 
 # Rows summed per pass over the weights: each lane holds a float sum per row and the slice of
 # W it loaded once for them all.
@@ -87,8 +91,10 @@ def elements_per_lane(k: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel() -> Any:
+    # MLX's kernel header includes cooperative_groups.h, not the reduction's own header
     return mx.fast.cuda_kernel(name="rewind_rows_alone_matmul", input_names=["x", "w", "shape"],
-                               output_names=["out"], source=_SOURCE)
+                               output_names=["out"], source=_SOURCE,
+                               header="#include <cooperative_groups/reduce.h>\n")
 
 
 def matmul(x: mx.array, weight: mx.array) -> mx.array:
@@ -140,15 +146,51 @@ def rows_alone_on() -> bool:
     return getattr(_local, "on", False)
 
 
+def missed(what: str) -> None:
+    """A call inside `rows_alone` that the kernels could not take (MLX computes it, and the
+    positions' bits may differ from one-token steps'): said once per kind in the log."""
+    if what not in _MISSED:
+        _MISSED.add(what)
+        log.warning("a drafted row's check ran %s through MLX, not position by position: its "
+                    "logits may differ from one-token steps' in the last bits", what)
+
+
+_MISSED: set[str] = set()
+
+
 class RowsLinear(nn.Linear):
     """nn.Linear (no bias) whose calls of several rows inside `rows_alone` run this module's
     kernel: each row the bits of MLX's one-row product. Its other calls are nn.Linear's."""
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
-        if rows_alone_on() and x.dtype == weight.dtype and x.size // x.shape[-1] <= MAX_ROWS:
-            return matmul(x, weight)
+        if rows_alone_on() and x.ndim >= 2 and x.size // x.shape[-1] > 1:
+            if x.dtype == weight.dtype and x.size // x.shape[-1] <= MAX_ROWS:
+                return matmul(x, weight)
+            missed(f"a product of {x.size // x.shape[-1]} rows of {x.dtype}")
         return x @ weight.T
+
+
+def same_as_mlx(weights: list[mx.array], rows: int = 3) -> bool:
+    """Whether `matmul` gives each row MLX's one-row product's bits for weights of these shapes
+    and dtypes (one check per distinct shape, random rows)."""
+    if not available():
+        return False
+    seen: set[tuple[Any, ...]] = set()
+    for weight in weights:
+        key = (tuple(weight.shape), weight.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        n, k = weight.shape
+        x = mx.random.normal((1, rows, k), key=mx.random.key(len(seen))).astype(weight.dtype)
+        ours = matmul(x, weight)
+        one_by_one = mx.concatenate([x[:, p:p + 1, :] @ weight.T for p in range(rows)], axis=1)
+        if not mx.array_equal(ours, one_by_one).item():
+            log.warning("rewind.kernels.cuda_rows: a product of %dx%d %s differs from MLX's "
+                        "one-row product; rows will not draft on this GPU", n, k, weight.dtype)
+            return False
+    return True
 
 
 def takes_linear(module: Any) -> bool:
@@ -223,4 +265,20 @@ def head_of(head: Any) -> Any:
         return None
     if weight.ndim != 2 or weight.dtype not in (mx.bfloat16, mx.float16):
         return None
-    return lambda hidden: matmul(hidden, weight)
+
+    def head(hidden: mx.array) -> mx.array:
+        if hidden.dtype == weight.dtype and hidden.size // hidden.shape[-1] <= MAX_ROWS:
+            return matmul(hidden, weight)
+        missed(f"the head over {hidden.size // hidden.shape[-1]} rows of {hidden.dtype}")
+        return hidden @ weight.T
+
+    return head
+
+
+def weights_of(model: Any, head: Any) -> list[mx.array]:
+    """The weights `rows_alone` products read: every RowsLinear's and the head's."""
+    weights = [m.weight for _, m in model.named_modules() if type(m) is RowsLinear]
+    owner = getattr(head, "__self__", None)
+    if type(owner) is nn.Embedding:
+        weights.append(owner.weight)
+    return weights
