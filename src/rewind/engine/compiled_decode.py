@@ -25,7 +25,9 @@ kernel.
 What it takes: a decode step (one token a row, the last position's logits, no per-call model
 state), caches that are GrowingBatchKVCache (full attention, one length) or unpadded
 ArraysCache (no sliding window, quantized cache or cache list), a buffer with room for the
-step's key, a model that runs whole in this process. Anything else, and any model whose trace
+step's key, a model that runs whole in this process. On CUDA also one row on caches of its own
+(GrowingKVCache: a row decoding alone while it may draft, rewind.engine.runner), seen as a
+batch of one with no padding: the same trace as a merged batch of one. Anything else, and any model whose trace
 fails, runs the plain call; so does a model with a full-attention layer that scores keys
 itself instead of through scaled_dot_product_attention (it would read the buffer's spare slots).
 
@@ -57,7 +59,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from rewind import env
-from rewind.cache.kv import GrowingBatchKVCache
+from rewind.cache.kv import GrowingBatchKVCache, GrowingKVCache
 from rewind.engine.segment import RowCaches, Segment
 
 log = logging.getLogger(__name__)
@@ -158,15 +160,15 @@ class CompiledDecode:
                 or isinstance(cache, RowCaches) or not cache):
             return None
         rows = segment.tokens.shape[0]
-        held = {layer._idx for layer in cache if type(layer) is GrowingBatchKVCache}
+        held = {_held(layer) for layer in cache if _full_attention(layer, rows)}
         if len(held) != 1:  # no full-attention layer, or layers of different lengths
             return None
         layout: list[int] = []
         for layer in cache:
-            if type(layer) is GrowingBatchKVCache:
+            if _full_attention(layer, rows):
                 # a slot left in the buffer: the step's scatter does not clamp its position
-                if (layer.keys is None or layer.values is None or layer._idx >= layer.keys.shape[2]
-                        or layer.keys.shape[0] != rows
+                if (layer.keys is None or layer.values is None
+                        or _held(layer) >= layer.keys.shape[2] or layer.keys.shape[0] != rows
                         or getattr(layer, "lengths", None) is not None):
                     return None
                 layout.append(_KV)
@@ -202,9 +204,11 @@ class CompiledDecode:
         if layout is None:
             raise ValueError("this segment is not a fixed-shape decode step (see takes)")
         cache = segment.cache
-        full = next(layer for layer in cache if type(layer) is GrowingBatchKVCache)
-        starts = full.left_padding.astype(mx.int32)
-        length = mx.array([full._idx], mx.int32)
+        rows = segment.tokens.shape[0]
+        full = next(layer for layer in cache if _full_attention(layer, rows))
+        starts = (full.left_padding.astype(mx.int32) if type(full) is GrowingBatchKVCache
+                  else mx.zeros((1,), mx.int32))
+        length = mx.array([_held(full)], mx.int32)
         arrays = [a for layer in cache for a in _arrays_of(layer)]
         for layer in cache:  # the step owns the buffers: MLX writes them in place
             _set_arrays(layer, [None] * len(_arrays_of(layer)))
@@ -230,6 +234,8 @@ class CompiledDecode:
             if type(layer) is GrowingBatchKVCache:
                 layer._idx += 1
                 layer.offset = layer.offset + 1
+            elif type(layer) is GrowingKVCache:
+                layer.offset += 1
         self.steps += 1
         return out[0]
 
@@ -266,14 +272,26 @@ def _attention_modules(model: Any) -> int:
     return count
 
 
+def _full_attention(layer: Any, rows: int) -> bool:
+    """A batch cache of full attention; on CUDA also one row's own growing cache (a row
+    decoding alone on caches of its own while it may draft: rewind.engine.runner.lone_rows),
+    whose plain call's attention is the same kernel as the view's."""
+    return type(layer) is GrowingBatchKVCache or (
+        type(layer) is GrowingKVCache and rows == 1 and _on_cuda())
+
+
+def _held(layer: Any) -> int:
+    return layer._idx if type(layer) is GrowingBatchKVCache else layer.offset
+
+
 def _arrays_of(layer: Any) -> list[Any]:
-    if isinstance(layer, (DecodeView, GrowingBatchKVCache)):
+    if isinstance(layer, (DecodeView, GrowingBatchKVCache, GrowingKVCache)):
         return [layer.keys, layer.values]
     return list(layer.cache)
 
 
 def _set_arrays(layer: Any, arrays: list[Any]) -> None:
-    if isinstance(layer, GrowingBatchKVCache):
+    if isinstance(layer, (GrowingBatchKVCache, GrowingKVCache)):
         layer.keys, layer.values = arrays
     else:
         layer.cache = list(arrays)
@@ -282,6 +300,6 @@ def _set_arrays(layer: Any, arrays: list[Any]) -> None:
 def _put_back(cache: list[Any], arrays: list[Any]) -> None:
     at = 0
     for layer in cache:
-        count = 2 if isinstance(layer, GrowingBatchKVCache) else len(layer.cache)
+        count = 2 if isinstance(layer, (GrowingBatchKVCache, GrowingKVCache)) else len(layer.cache)
         _set_arrays(layer, arrays[at:at + count])
         at += count
