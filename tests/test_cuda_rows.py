@@ -36,7 +36,8 @@ def test_float32_linears_and_models_off_cuda_are_not_taken() -> None:
     layer = nn.Linear(8, 8, bias=False)  # float32
     assert not cuda_rows.takes_linear(layer)
     if not cuda_rows.available():
-        assert not cuda_rows.layers_compute_rows_alone(nn.Sequential(layer))
+        assert not cuda_rows.layers_compute_rows_alone(nn.Sequential(layer),
+                                                        cuda_attention.kernel_takes_heads)
 
 
 def test_bad_products_raise() -> None:
@@ -93,7 +94,7 @@ def test_a_models_positions_in_one_call_are_its_one_token_steps(tiny_model_path)
 
     loaded = load_model(str(tiny_model_path("llama")), dtype=mx.bfloat16)
     model = loaded.model
-    assert cuda_rows.layers_compute_rows_alone(model)
+    assert cuda_rows.layers_compute_rows_alone(model, cuda_attention.kernel_takes_heads)
     assert all(type(layer) is GrowingKVCache for layer in make_cache(model))
     split = split_model(model)
     rng = np.random.default_rng(3)

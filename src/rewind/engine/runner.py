@@ -35,7 +35,7 @@ from rewind.engine.residuals import given_residuals
 from rewind.engine.segment import RowCaches, Segment
 from rewind.engine.step_inputs import decode_segments, prefill_segment
 from rewind.engine.step_plan import StepOutput, StepPlan
-from rewind.kernels import cuda_rows, gated_delta
+from rewind.kernels import cuda_attention, cuda_rows, gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.engine.model_thread import ModelThread
 from rewind.kernels.model_split import pipeline_stages, split_model
@@ -391,7 +391,8 @@ def _cuda_rows_alone(model: Any, max_kv_size: int | None) -> bool:
     window's or a recurrence's cache would take the positions together), and the product
     kernel giving MLX's one-row bits for this model's weights on this GPU."""
     split = split_model(model)
-    if split is None or not cuda_rows.layers_compute_rows_alone(model):
+    if split is None or not cuda_rows.layers_compute_rows_alone(
+            model, cuda_attention.kernel_takes_heads):
         return False
     from rewind.cache.kv import GrowingKVCache, make_cache
 

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -218,14 +218,14 @@ _PER_POSITION = (nn.Embedding, nn.RMSNorm, nn.LayerNorm)
 _PER_POSITION_NAMES = frozenset({"StoredEmbedding", "InPlaceEmbedding", "ScaledEmbedding"})
 
 
-def layers_compute_rows_alone(model: Any) -> bool:
+def layers_compute_rows_alone(model: Any, heads_taken: Callable[[int, int, int], bool]) -> bool:
     """Whether, on CUDA, each position of a call through `model`'s layers inside `rows_alone`
     gets the bits of a one-token call: every product a RowsLinear (the output head is the
-    runner's, one position a call), every attention module's heads of a size the decode kernel
-    takes (rewind.kernels.cuda_attention). The caller checks the caches (one row's keys, no
-    window: rewind.engine.runner)."""
+    runner's), every attention module's heads (query heads, key-value heads, head size) a shape
+    the decode kernel takes (`heads_taken`: rewind.kernels.cuda_attention.kernel_takes_heads,
+    handed in, since that module routes calls by this one's context). The caller checks the
+    caches (one row's keys, no window: rewind.engine.runner)."""
     from rewind import env
-    from rewind.kernels import cuda_attention
 
     if not available() or env.cuda_attention_off():
         return False
@@ -237,7 +237,7 @@ def layers_compute_rows_alone(model: Any) -> bool:
         if isinstance(heads, int) and isinstance(kv_heads, int):
             dim = getattr(module, "head_dim", None)
             if not (isinstance(dim, int) and kv_heads > 0 and heads % kv_heads == 0
-                    and cuda_attention.kernel_takes_heads(heads, kv_heads, dim)):
+                    and heads_taken(heads, kv_heads, dim)):
                 return False
             attention += 1
         if type(module) is RowsLinear or isinstance(module, _PER_POSITION) \
