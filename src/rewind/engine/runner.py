@@ -76,10 +76,11 @@ class ModelRunner:
         # On CUDA, the same inside cuda_rows.rows_alone where every layer's products and
         # attention have kernels that compute each position alone and every cache holds one
         # row's keys (no window, no recurrence).
-        cuda_rows_alone = (self.layer_count is None and not rows_compute_alone(model)
+        cpu_rows_alone = self.layer_count is None and rows_compute_alone(model)
+        cuda_rows_alone = (self.layer_count is None and not cpu_rows_alone
                            and _cuda_rows_alone(model, max_kv_size))
-        self.lone_rows_exact = (self.layer_count is None and split_model(model) is not None
-                                and (rows_compute_alone(model) or cuda_rows_alone))
+        self.lone_rows_exact = (split_model(model) is not None
+                                and (cpu_rows_alone or cuda_rows_alone))
         # The positions a drafted row's check may bring (its input and drafts): the CUDA
         # kernels' rows (cuda_rows.MAX_ROWS); no bound elsewhere.
         self.max_check_positions: int | None = cuda_rows.MAX_ROWS if cuda_rows_alone else None
