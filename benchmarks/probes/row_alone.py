@@ -5,7 +5,10 @@ issue 26's way to exact speculation on GPUs (rewind.kernels.cuda_rows, cuda_atte
    row by row (bits equal?) and MLX's own P-row product (cuBLAS), with times, at Llama-3.2-1B's
    and Qwen 3.5 0.8B's shapes.
 2. Attention: decode_attention with P positions against P one-token calls (bits equal?).
-3. A whole random model (Llama-3.2-1B shape, bf16): P tokens one step at a time against one
+3. Batches: whether MLX's own product (cuBLAS for more than one row) gives a row the same bits
+   whatever the number of rows M beside it (M >= 2): if so, rows of a batch could check drafts
+   exactly with MLX's products, a lone row padded to two.
+4. A whole random model (Llama-3.2-1B shape, bf16): P tokens one step at a time against one
    call of P positions inside cuda_rows.rows_alone (hidden states and logits, bits equal?),
    and the two calls' times.
 
@@ -67,6 +70,30 @@ def product_rows(quick: bool) -> list[dict[str, Any]]:
                 "ours_ms": median_ms(lambda: cuda_rows.matmul(x, weight)),
                 "mlx_ms": median_ms(lambda: x @ weight.T),
                 "mlx_one_row_ms": median_ms(lambda: x[:, :1, :] @ weight.T),
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def batch_rows(quick: bool) -> list[dict[str, Any]]:
+    shapes = [("q_proj", 2048, 2048), ("qkv fused", 2048, 3072), ("gate+up fused", 2048, 16384),
+              ("down", 8192, 2048), ("head", 2048, 128256)]
+    if quick:
+        shapes = shapes[:1]
+    counts = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40, 64, 65, 96, 128, 256)
+    rows = []
+    for name, k, n in shapes:
+        weight = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+        x = mx.random.normal((1, max(counts), k)).astype(mx.bfloat16)
+        mx.eval(weight, x)
+        two = x[:, :2, :] @ weight.T
+        largest = x @ weight.T
+        for count in counts:
+            product = x[:, :count, :] @ weight.T
+            rows.append({
+                "piece": f"{name} {k}x{n}", "rows": count,
+                "first_two_equal_to_two_row_product": same(product[:, :2, :], two),
+                "equal_to_rows_of_largest": same(product, largest[:, :count, :]),
             })
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -183,7 +210,7 @@ def main() -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="")
-    parser.add_argument("--parts", default="products,attention,model")
+    parser.add_argument("--parts", default="products,batches,attention,model")
     args = parser.parse_args()
     from rewind.kernels import cuda_rows
 
@@ -192,7 +219,8 @@ def main() -> int:
         return 0
     parts = args.parts.split(",")
     out: dict[str, Any] = {"mlx": mx.__version__}
-    for part, run in (("products", product_rows), ("attention", attention_rows),
+    for part, run in (("products", product_rows), ("batches", batch_rows),
+                      ("attention", attention_rows),
                       ("model", model_rows)):
         if part in parts:
             try:
