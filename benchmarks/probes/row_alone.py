@@ -29,6 +29,11 @@ from typing import Any, Callable
 import mlx.core as mx
 
 
+# Llama-3.2-1B's products: (name, K, N) of a [rows, K] @ [K, N]
+LLAMA_SHAPES = [("q_proj", 2048, 2048), ("qkv fused", 2048, 3072), ("gate+up fused", 2048, 16384),
+                ("down", 8192, 2048), ("head", 2048, 128256)]
+
+
 def median_ms(call: Callable[[], Any], repeats: int = 20) -> float:
     mx.eval(call())
     times = []
@@ -46,8 +51,7 @@ def same(a: mx.array, b: mx.array) -> bool:
 def product_rows(quick: bool) -> list[dict[str, Any]]:
     from rewind.kernels import cuda_rows
 
-    shapes = [("q_proj", 2048, 2048), ("qkv fused", 2048, 3072), ("gate+up fused", 2048, 16384),
-              ("down", 8192, 2048), ("head", 2048, 128256), ("qwen3.5 out", 1024, 1024),
+    shapes = [*LLAMA_SHAPES, ("qwen3.5 out", 1024, 1024),
               ("k % 128 = 64", 960, 2560), ("k % 64 = 32", 800, 1024)]
     if quick:
         shapes = shapes[:1] + shapes[-2:]
@@ -76,10 +80,7 @@ def product_rows(quick: bool) -> list[dict[str, Any]]:
 
 
 def batch_rows(quick: bool) -> list[dict[str, Any]]:
-    shapes = [("q_proj", 2048, 2048), ("qkv fused", 2048, 3072), ("gate+up fused", 2048, 16384),
-              ("down", 8192, 2048), ("head", 2048, 128256)]
-    if quick:
-        shapes = shapes[:1]
+    shapes = LLAMA_SHAPES[:1] if quick else LLAMA_SHAPES
     counts = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40, 64, 65, 96, 128, 256)
     rows = []
     for name, k, n in shapes:
