@@ -146,3 +146,36 @@ def test_after_the_native_forward_pass_is_removed(tmp_path: Path) -> None:
     expected = np.array(plain.model(tokens))
     got = np.array(moved.model(tokens))
     assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
+
+
+@pytest.mark.parametrize("form", ["f32", "bf16", "int8"])
+def test_a_rows_bits_do_not_depend_on_the_thread_count(form: str) -> None:
+    """The dense matrix kernel sizes its claims by the thread count for a few activation rows
+    (decode; cpu_kernels.c's matvec_claim_rows) and takes 64-row claims for more: a row's sums
+    run in blocks of four output rows, so a claim that split a block would change its bits.
+    4,098 rows: claims of more than 64 rows at 1 to 5 threads, the last block part-filled."""
+    from rewind.kernels import boundary
+    from rewind.kernels.boundary import MatrixArgs
+
+    rng = np.random.default_rng(29)
+    weight = rng.standard_normal((4098, 72)).astype(np.float32)
+    scale = None
+    if form == "bf16":
+        weight = np.asarray(mx.array(weight).astype(mx.bfloat16).view(mx.uint16))
+    elif form == "int8":
+        weight = rng.integers(-127, 128, size=weight.shape, dtype=np.int8)
+        scale = rng.uniform(0.001, 0.01, size=4098).astype(np.float32)
+    matrix = MatrixArgs.build(weight, native.FORMS[form], scale)
+    kernels = boundary.kernels_for(native.chosen_isa())
+    x = rng.standard_normal((9, 72)).astype(np.float32)
+
+    def product(rows: np.ndarray, threads: int) -> np.ndarray:
+        out = np.zeros((rows.shape[0], 4098), np.float32)
+        kernels.matvec(matrix, rows, out, threads)
+        return out
+
+    together = product(x, 2)
+    for threads in (1, 2, 3, 5):
+        for m in (1, 2, 4):
+            np.testing.assert_array_equal(product(x[:m], threads), together[:m],
+                                          err_msg=f"{form}, {m} rows on {threads} threads")

@@ -53,9 +53,9 @@ def activations_as_quantized(x: np.ndarray, k_quant: bool) -> np.ndarray:
     return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 
-def product(isa: str, matrix: MatrixArgs, x: np.ndarray) -> np.ndarray:
+def product(isa: str, matrix: MatrixArgs, x: np.ndarray, threads: int = 2) -> np.ndarray:
     out = np.zeros((x.shape[0], matrix.rows), np.float32)
-    boundary.kernels_for(isa).matvec(matrix, x, out, 2)
+    boundary.kernels_for(isa).matvec(matrix, x, out, threads)
     return out
 
 
@@ -191,6 +191,25 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
                 np.testing.assert_array_equal(product(isa, matrix, x), alone, err_msg="AMX off")
             finally:
                 native.set_amx(lib, True)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_a_rows_bits_do_not_depend_on_the_thread_count(name: str) -> None:
+    """A product of a few activation rows (decode, a drafted row's check) splits the matrix
+    into claims sized by the thread count (quant.c's rows_per_claim), one of more rows into
+    32-row claims: a row's bits may depend on neither. 4,099 rows: claims of more than 32 rows
+    at 1 to 5 threads, and tiles left part-filled where claims end."""
+    rng = np.random.default_rng(17)
+    cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 64
+    matrix = MatrixArgs.build(random_blocks(name, 4099, cols, rng),
+                              native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    for isa in ISAS:
+        together = product(isa, matrix, x)
+        for threads in (1, 2, 3, 5):
+            for m in (1, 2, 4):
+                np.testing.assert_array_equal(product(isa, matrix, x[:m], threads), together[:m],
+                                              err_msg=f"{isa}, {m} rows on {threads} threads")
 
 
 @pytest.mark.skipif("avx512vnni" not in ISAS or not native.set_amx(native.load_isa("avx512vnni"), True),

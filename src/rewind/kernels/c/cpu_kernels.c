@@ -78,15 +78,34 @@ DEFINE_BLOCK(4)
 
 typedef struct {
   const void *W; const float *scale; int form; const float *x; float *y;
-  int64_t out, in, m, ldy;
+  int64_t out, in, m, ldy, claim_rows;
 } MatvecJob;
 
 #define ROWS_PER_CLAIM 64 /* output rows per claimed block: a multiple of RB */
+#define CLAIMS_PER_THREAD 8
+#define CLAIM_BYTES_MAX (1 << 20)
+
+/* Output rows a claim takes: ROWS_PER_CLAIM with more than XG activation rows; with fewer
+   (decode), where the weights are read once, about CLAIMS_PER_THREAD claims a thread, at most
+   CLAIM_BYTES_MAX of weights each (as quant.c's rows_per_claim: each claim costs atomics on
+   shared lines and a fresh start of the hardware prefetcher). Always a multiple of RB, so the
+   blocks, and with them each row's sums, stay where they were. */
+static int64_t matvec_claim_rows(int64_t out, int64_t in, int form, int64_t m, int threads) {
+  if (m > XG) return ROWS_PER_CLAIM;
+  const int64_t bytes = form == FORM_F32 ? 4 : form == FORM_BF16 ? 2 : 1;
+  const int64_t spread = (int64_t)(threads > 1 ? threads : 1) * CLAIMS_PER_THREAD;
+  int64_t claim = (out + spread - 1) / spread;
+  const int64_t cap = CLAIM_BYTES_MAX / (in * bytes);
+  if (claim > cap) claim = cap;
+  claim = (claim + RB - 1) / RB * RB;
+  return claim > ROWS_PER_CLAIM ? claim : ROWS_PER_CLAIM;
+}
 
 static void matvec_block(const void *arg, int64_t claim) {
   const MatvecJob *j = (const MatvecJob *)arg;
-  int64_t end = (claim + 1) * ROWS_PER_CLAIM < j->out ? (claim + 1) * ROWS_PER_CLAIM : j->out;
-  for (int64_t o0 = claim * ROWS_PER_CLAIM; o0 < end; o0 += RB) {
+  const int64_t first = claim * j->claim_rows;
+  int64_t end = first + j->claim_rows < j->out ? first + j->claim_rows : j->out;
+  for (int64_t o0 = first; o0 < end; o0 += RB) {
     int64_t nr = end - o0 < RB ? end - o0 : RB;
     for (int64_t r0 = 0; r0 < j->m; r0 += XG) {
       switch (j->m - r0 < XG ? j->m - r0 : XG) {
@@ -106,8 +125,9 @@ static void matvec_block(const void *arg, int64_t claim) {
 static int matvec_ld(const void *W, const float *scale, int form, const float *x, float *y,
                      int64_t out, int64_t in, int64_t ldy, int64_t m, int threads) {
   if (m < 1 || out < 1 || in < 1 || ldy < out) return -1;
-  MatvecJob job = {W, scale, form, x, y, out, in, m, ldy};
-  run_blocks(matvec_block, &job, (out + ROWS_PER_CLAIM - 1) / ROWS_PER_CLAIM, threads);
+  const int64_t claim_rows = matvec_claim_rows(out, in, form, m, threads);
+  MatvecJob job = {W, scale, form, x, y, out, in, m, ldy, claim_rows};
+  run_blocks(matvec_block, &job, (out + claim_rows - 1) / claim_rows, threads);
   return 0;
 }
 
