@@ -142,18 +142,38 @@ def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
     assert tokens / step_cost(positions, 3) > three[0] / step_cost(3, 3)
 
 
-def test_a_steps_cost_follows_the_measured_points_and_widens_by_the_last_span():
+@pytest.mark.parametrize("kernels", ["avx512vnni", "avx2"])
+def test_a_steps_cost_follows_the_measured_points_and_widens_by_the_last_span(kernels: str):
     """The step cost by positions: the measured points themselves, between them on the line,
     past them at the last span's rate."""
-    from rewind.engine.speculation import ROW_COST, STEP_COST_BY_POSITIONS, step_cost
+    from rewind.engine.speculation import step_cost, step_costs_for
 
-    for positions, cost in STEP_COST_BY_POSITIONS:
-        assert step_cost(positions, 1) == pytest.approx(cost)
-    (x0, y0), (x1, y1) = STEP_COST_BY_POSITIONS[-2:]
-    assert step_cost(x1 + 8, 1) == pytest.approx(y1 + 8 * (y1 - y0) / (x1 - x0))
-    assert step_cost(4, 3) == pytest.approx((1.39 + 1.91) / 2 + 2 * ROW_COST)
-    # A wide step's next position costs less than a one-row step's second.
-    assert step_cost(21, 1) - step_cost(20, 1) < step_cost(2, 1) - step_cost(1, 1)
+    costs = step_costs_for(kernels)
+    for positions, cost in costs.points:
+        assert step_cost(positions, 1, costs) == pytest.approx(cost)
+    (x0, y0), (x1, y1) = costs.points[-2:]
+    assert step_cost(x1 + 8, 1, costs) == pytest.approx(y1 + 8 * (y1 - y0) / (x1 - x0))
+    (_, at3), (_, at5) = costs.points[2:4]
+    assert step_cost(4, 3, costs) == pytest.approx((at3 + at5) / 2 + 2 * costs.row_cost)
+    # Every position costs something, and a row beside others costs its own share.
+    assert all(step_cost(n + 1, 1, costs) > step_cost(n, 1, costs) for n in range(1, 30))
+    assert step_cost(3, 3, costs) > step_cost(3, 1, costs)
+
+
+def test_auto_prices_drafts_by_the_kernels_own_costs():
+    """Where a drafted position costs more (the AVX2 build, no int8 dot-product instruction), a
+    row drafts less: the same row feeds a shorter draft, alone and beside others; a build
+    without measured figures takes the VNNI build's."""
+    from rewind.engine.speculation import (AVX2_COSTS, VNNI_COSTS, RowDrafts, Speculator,
+                                           step_costs_for)
+
+    assert step_costs_for(None) is VNNI_COSTS and step_costs_for("avx2") is AVX2_COSTS
+    for step in ((1.0, 1, 1), (3.0, 3, 3)):
+        cheap, dear = (Speculator.worth_drafting(RowDrafts(NgramIndex([1, 2, 3]), agreed=20,
+                                                           disagreed=4), 16, *step, costs)[0]
+                       for costs in (VNNI_COSTS, AVX2_COSTS))
+        assert dear < cheap, step
+    assert Speculator("ngram", costs=AVX2_COSTS).costs is AVX2_COSTS
 
 
 def test_a_new_row_starts_from_the_engines_recent_acceptance():

@@ -48,10 +48,11 @@ from rewind.engine.request import EngineStoppedError, FinishReason, QueueFullErr
 from rewind.engine.runner import ModelRunner
 from rewind.engine.sampler import LazySamples, read_samples, sample_lazy, sample_rows
 from rewind.engine.sequence import EventSink, Sequence
-from rewind.engine.speculation import Speculator, resolve_mode
+from rewind.engine.speculation import Speculator, resolve_mode, step_costs_for
 from rewind.engine.step_inputs import plain_rows
 from rewind.engine.step_plan import PrefillSlice, StepOutput, StepPlan
 from rewind.engine.verify import Verifier
+from rewind.kernels.native import chosen_isa
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class Scheduler:
             None if mode == "off" else Speculator(
                 mode, max_draft, config.speculative_step_tokens,
                 weighs_cost=config.speculative == "auto" and mode != "draft",
-                draft_model=draft_model if mode == "draft" else None))
+                draft_model=draft_model if mode == "draft" else None,
+                # A draft's price: what a verification costs on this CPU's kernel build.
+                costs=step_costs_for(chosen_isa() if mx.default_device() == mx.cpu else None)))
         self._inflight: LazySamples | None = None  # a queued decode step's unread tokens
         # Counters come in from a scheduler before this one where the engine restarted: they
         # carry on, and the emission counts into the same object.

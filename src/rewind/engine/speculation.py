@@ -48,29 +48,58 @@ FIRST_DRAFT = 4
 MISSES_TO_PAUSE = 2
 PAUSE_STEPS_MAX = 64
 
-# What a step costs, in plain one-row steps, by the positions it computes (its rows plus their
-# drafted tokens): measured on the 2-core Xeon with `python benchmarks/probes/verify_cost.py
-# --rows 1,3 --drafts 0,1,2,4,8,16` at b70051f, 1,024 tokens held per row (benchmarks/results/
-# verify-cost-xeon-b70051f.md): one row and k drafted tokens took 19.4, 23.9, 26.9, 37.1, 48.1
-# and 58.8 ms. The cost of a position falls, overall, as a step widens (the products read each
-# weight once for every position, and wider products take faster kernels), so a draft beside
-# others' costs less than alone: what a draft adds is the step's cost with it less without it. Past
-# the last point each position adds what the last span did. Each row beyond the first adds
-# ROW_COST besides its positions (its own cache's attention and bookkeeping: three plain rows
-# took 29.9 ms, three rows with 4, 8 and 16 drafted tokens between them 48.8, 56.3 and 68.0).
-STEP_COST_BY_POSITIONS = ((1, 1.0), (2, 1.23), (3, 1.39), (5, 1.91), (9, 2.48), (17, 3.03))
-ROW_COST = 0.12
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step costs, in plain one-row steps, by the positions it computes (its rows plus
+    their drafted tokens), measured with `python benchmarks/probes/verify_cost.py` on the
+    default model, 1,024 tokens held per row. The cost of a position falls, overall, as a step
+    widens (the products read each weight once for every position, and wider products take
+    faster kernels), so a draft beside others' costs less than alone: what a draft adds is the
+    step's cost with it less without it. Past the last point each position adds what the last
+    span did. Each row beyond the first adds `row_cost` besides its positions (its own cache's
+    attention and bookkeeping)."""
+
+    points: tuple[tuple[int, float], ...]
+    row_cost: float
+    measured_on: str
+
+    def cost(self, positions: int, rows: int) -> float:
+        points = self.points
+        if positions >= points[-1][0]:
+            (x0, y0), (x1, y1) = points[-2], points[-1]
+        else:
+            (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points, points[1:])
+                                      if positions < b[0])
+        return y0 + (y1 - y0) * (positions - x0) / (x1 - x0) + self.row_cost * max(0, rows - 1)
 
 
-def step_cost(positions: int, rows: int) -> float:
-    """A step's cost in plain one-row steps (STEP_COST_BY_POSITIONS, interpolated)."""
-    points = STEP_COST_BY_POSITIONS
-    if positions >= points[-1][0]:
-        (x0, y0), (x1, y1) = points[-2], points[-1]
-    else:
-        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points, points[1:])
-                                  if positions < b[0])
-    return y0 + (y1 - y0) * (positions - x0) / (x1 - x0) + ROW_COST * max(0, rows - 1)
+# The kernels' AVX-512 VNNI build: the 2-core Xeon (Sapphire Rapids kind) at b70051f
+# (benchmarks/results/verify-cost-xeon-b70051f.md, `--rows 1,3`): one row and k = 0, 1, 2, 4, 8,
+# 16 drafted tokens took 19.4, 23.9, 26.9, 37.1, 48.1 and 58.8 ms; three plain rows 29.9 ms,
+# three rows with 4, 8 and 16 drafted tokens between them 48.8, 56.3 and 68.0.
+VNNI_COSTS = StepCosts(((1, 1.0), (2, 1.23), (3, 1.39), (5, 1.91), (9, 2.48), (17, 3.03)),
+                       0.12, "Intel Xeon, AVX-512 VNNI kernels")
+# The AVX2 build: a 2-core AMD EPYC (Zen 2, no AVX-512) after the decode claims of a754936
+# (benchmarks/results/verify-cost-epyc-zen2-a754936.md): 17.5, 22.2, 27.1, 44.5, 72.4 and 119.4 ms
+# for one row and k = 0..16; two plain rows 23.3 ms, four 39.2. Without VNNI an int8 product is
+# three instructions a vector (maddubs, madd, add), and at 2 threads the head is bound by them,
+# not by memory: each drafted position costs ~40% of a plain step, where on the Xeon ~15%.
+AVX2_COSTS = StepCosts(((1, 1.0), (2, 1.27), (3, 1.55), (5, 2.54), (9, 4.14), (17, 6.82)),
+                       0.06, "AMD EPYC (Zen 2), AVX2 kernels")
+# Other backends that draft (MLX's layers on the CPU, CUDA's check) take the VNNI figures, the
+# cheaper side: `auto` drafts there only as an explicit mode would less the drafts least kept.
+STEP_COSTS_BY_KERNELS = {"avx512vnni": VNNI_COSTS, "avx512": VNNI_COSTS, "avx2": AVX2_COSTS}
+
+
+def step_costs_for(kernels: str | None) -> StepCosts:
+    """The step costs of a C kernel build (rewind.kernels.native.chosen_isa()), or the VNNI
+    build's for none. The AVX-512 build without VNNI takes the VNNI figures, unmeasured."""
+    return STEP_COSTS_BY_KERNELS.get(kernels or "", VNNI_COSTS)
+
+
+def step_cost(positions: int, rows: int, costs: StepCosts = VNNI_COSTS) -> float:
+    """A step's cost in plain one-row steps (`costs`, interpolated)."""
+    return costs.cost(positions, rows)
 
 
 FIRST_PRIOR = 0.8  # a row's acceptance before anything was verified in this engine
@@ -127,7 +156,7 @@ class Speculator:
 
     def __init__(self, mode: str, max_draft: int = 16, step_tokens: int = 32,
                  pool_tokens: int = 65536, weighs_cost: bool = True,
-                 draft_model: Any = None) -> None:
+                 draft_model: Any = None, costs: StepCosts = VNNI_COSTS) -> None:
         if mode not in ("ngram", "suffix", "draft"):
             raise ValueError(f"speculation mode must be one of ngram, suffix, draft, not {mode!r}")
         if (mode == "draft") != (draft_model is not None):
@@ -138,6 +167,7 @@ class Speculator:
         # `auto` feeds only drafts expected to pay (`worth_drafting`); a mode named explicitly
         # feeds every draft found, as long as its row's adaptive length allows.
         self.weighs_cost = weighs_cost
+        self.costs = costs  # what `worth_drafting` prices a step at: the kernels' own figures
         self.max_draft = max_draft
         self.step_tokens = step_tokens
         self.pool = DraftPool(pool_tokens) if mode == "suffix" else None
@@ -175,22 +205,22 @@ class Speculator:
         this speculator weighs cost, else all of it), and the step's expected tokens and
         positions with it."""
         if self.weighs_cost:
-            return self.worth_drafting(drafts, found, tokens, positions, rows)
+            return self.worth_drafting(drafts, found, tokens, positions, rows, self.costs)
         return found, tokens + drafts.expected_kept(found), positions + found
 
     @staticmethod
-    def worth_drafting(drafts: RowDrafts, found: int, tokens: float, positions: int, rows: int
-                       ) -> tuple[int, float, int]:
+    def worth_drafting(drafts: RowDrafts, found: int, tokens: float, positions: int, rows: int,
+                       costs: StepCosts = VNNI_COSTS) -> tuple[int, float, int]:
         """How much of a `found`-token draft a row should feed, in a step of `rows` rows that
         so far computes `positions` positions and emits `tokens` (expected): the length that
-        gives the step the most tokens a unit of its cost (`step_cost`), 0 where none gives
+        gives the step the most tokens a unit of its cost (`costs`), 0 where none gives
         more than the step has (the row's evidence then fades toward the prior). Returns
         (length, tokens, positions) of the step with it."""
         best = (0, tokens, positions)
-        best_rate = tokens / step_cost(positions, rows)
+        best_rate = tokens / costs.cost(positions, rows)
         for length in range(1, found + 1):
             with_draft = tokens + drafts.expected_kept(length)
-            rate = with_draft / step_cost(positions + length, rows)
+            rate = with_draft / costs.cost(positions + length, rows)
             if rate > best_rate:
                 best, best_rate = (length, with_draft, positions + length), rate
         if found and not best[0]:
