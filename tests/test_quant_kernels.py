@@ -30,6 +30,16 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
+def random_matrix(name: str, rows: int, cols: int, rng: np.random.Generator
+                  ) -> tuple[MatrixArgs, int]:
+    """A matrix of `rows` random blocks of type `name`, `cols` wide (256, one super-block, for
+    the k-quants), and its width."""
+    if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256:
+        cols = 256
+    return MatrixArgs.build(random_blocks(name, rows, cols, rng),
+                            native.FORM_GGML + native.GGML_TYPES[name], cols=cols), cols
+
+
 def dequantized(name: str, blocks: np.ndarray) -> np.ndarray:
     return np.asarray(quants.dequantize(blocks, GGMLQuantizationType[name]), np.float64)
 
@@ -162,9 +172,7 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
     has it and the rule takes it, through broadcast vpdpbusd otherwise, and the stored blocks
     in passes of 4 when strips are held back."""
     rng = np.random.default_rng(13)
-    cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 96
-    matrix = MatrixArgs.build(random_blocks(name, 37, cols, rng),
-                              native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
+    matrix, cols = random_matrix(name, 37, 96, rng)
     x = rng.standard_normal((37, cols)).astype(np.float32)
     for isa in ISAS:
         alone = np.concatenate([product(isa, matrix, x[row:row + 1]) for row in range(37)])
@@ -200,9 +208,7 @@ def test_a_rows_bits_do_not_depend_on_the_thread_count(name: str) -> None:
     32-row claims: a row's bits may depend on neither. 4,099 rows: claims of more than 32 rows
     at 1 to 5 threads, and tiles left part-filled where claims end."""
     rng = np.random.default_rng(17)
-    cols = 256 if native.GGML_BLOCKS[native.GGML_TYPES[name]][0] == 256 else 64
-    matrix = MatrixArgs.build(random_blocks(name, 4099, cols, rng),
-                              native.FORM_GGML + native.GGML_TYPES[name], cols=cols)
+    matrix, cols = random_matrix(name, 4099, 64, rng)
     x = rng.standard_normal((6, cols)).astype(np.float32)
     for isa in ISAS:
         together = product(isa, matrix, x)
