@@ -82,23 +82,13 @@ typedef struct {
 } MatvecJob;
 
 #define ROWS_PER_CLAIM 64 /* output rows per claimed block: a multiple of RB */
-#define CLAIMS_PER_THREAD 8
-#define CLAIM_BYTES_MAX (1 << 20)
 
-/* Output rows a claim takes: ROWS_PER_CLAIM with more than XG activation rows; with fewer
-   (decode), where the weights are read once, about CLAIMS_PER_THREAD claims a thread, at most
-   CLAIM_BYTES_MAX of weights each (as quant.c's rows_per_claim: each claim costs atomics on
-   shared lines and a fresh start of the hardware prefetcher). Always a multiple of RB, so the
-   blocks, and with them each row's sums, stay where they were. */
+/* Output rows a claim takes: ROWS_PER_CLAIM with more than XG activation rows, else
+   few_rows_claim's (simd.h), in whole RB blocks, so the blocks, and with them each row's sums,
+   stay where they were. */
 static int64_t matvec_claim_rows(int64_t out, int64_t in, int form, int64_t m, int threads) {
-  if (m > XG) return ROWS_PER_CLAIM;
   const int64_t bytes = form == FORM_F32 ? 4 : form == FORM_BF16 ? 2 : 1;
-  const int64_t spread = (int64_t)(threads > 1 ? threads : 1) * CLAIMS_PER_THREAD;
-  int64_t claim = (out + spread - 1) / spread;
-  const int64_t cap = CLAIM_BYTES_MAX / (in * bytes);
-  if (claim > cap) claim = cap;
-  claim = (claim + RB - 1) / RB * RB;
-  return claim > ROWS_PER_CLAIM ? claim : ROWS_PER_CLAIM;
+  return m > XG ? ROWS_PER_CLAIM : few_rows_claim(out, in * bytes, threads, ROWS_PER_CLAIM, RB);
 }
 
 static void matvec_block(const void *arg, int64_t claim) {

@@ -538,25 +538,14 @@ typedef struct {
 } QJob;
 
 #define Q_ROWS_PER_CLAIM 32
-#define CLAIMS_PER_THREAD 8
-#define CLAIM_BYTES_MAX (1 << 20)
 
-/* Output rows a claim of one part takes. With more than NR_MAX activation rows (prefill),
-   Q_ROWS_PER_CLAIM: the rows a thread unpacks once and reuses across every activation row.
-   With a few (decode, a drafted row's check), where the weights are read once: a claim costs
-   two atomics on lines every thread writes, and the hardware prefetcher starts over at each.
-   At 32 rows the default model's 262k-row head took 8,192 claims and 10.3 ms on 2 threads of an
-   AMD EPYC (Zen 2), against 8.2-8.4 ms with 512 to 2,048 rows a claim (its one-thread time,
-   15.5 ms, did not move). So CLAIMS_PER_THREAD claims a thread where the part is that large,
-   none over CLAIM_BYTES_MAX of weights, none under Q_ROWS_PER_CLAIM rows. Which rows a claim
-   holds does not change a row's result (the tiles compute each pair alike). */
+/* Output rows a claim of one part takes: with more than NR_MAX activation rows (prefill),
+   Q_ROWS_PER_CLAIM, the rows a thread unpacks once and reuses across every activation row;
+   with fewer, few_rows_claim's (simd.h). Which rows a claim holds does not change a row's
+   result (the tiles compute each pair alike). */
 static int64_t rows_per_claim(int64_t rows, int64_t row_bytes, int64_t m, int threads) {
-  if (m > NR_MAX) return Q_ROWS_PER_CLAIM;
-  const int64_t spread = (int64_t)(threads > 1 ? threads : 1) * CLAIMS_PER_THREAD;
-  int64_t claim = (rows + spread - 1) / spread;
-  const int64_t cap = CLAIM_BYTES_MAX / row_bytes;
-  if (claim > cap) claim = cap;
-  return claim > Q_ROWS_PER_CLAIM ? claim : Q_ROWS_PER_CLAIM;
+  return m > NR_MAX ? Q_ROWS_PER_CLAIM
+                    : few_rows_claim(rows, row_bytes, threads, Q_ROWS_PER_CLAIM, 1);
 }
 
 /* 32 weight rows of one part against every activation row, NR_MAX at a time: those activation

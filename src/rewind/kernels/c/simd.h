@@ -123,4 +123,23 @@ static inline vf vexp(vf x) {
 typedef void (*BlockFn)(const void *args, int64_t block);
 void run_blocks(BlockFn fn, const void *args, int64_t blocks, int threads);
 
+/* Output rows a claim takes in a product of a few activation rows (decode, a drafted row's
+   check), where each weight is read once: each claim costs two atomics on lines every thread
+   writes (run_blocks) and a fresh start of the hardware prefetcher, so about CLAIMS_PER_THREAD
+   claims a thread, none over CLAIM_BYTES_MAX of weights, none under `least` rows (the size a
+   product of many rows takes), a multiple of `multiple`. On a 2-core AMD EPYC (Zen 2) the
+   default model's 262k-row head in 32-row claims took 10.3 ms on 2 threads (15.5 on one),
+   in these 8.2 ms. */
+#define CLAIMS_PER_THREAD 8
+#define CLAIM_BYTES_MAX (1 << 20)
+static inline int64_t few_rows_claim(int64_t rows, int64_t row_bytes, int threads,
+                                     int64_t least, int64_t multiple) {
+  const int64_t spread = (int64_t)(threads > 1 ? threads : 1) * CLAIMS_PER_THREAD;
+  int64_t claim = (rows + spread - 1) / spread;
+  const int64_t cap = CLAIM_BYTES_MAX / row_bytes;
+  if (claim > cap) claim = cap;
+  claim = (claim + multiple - 1) / multiple * multiple;
+  return claim > least ? claim : least;
+}
+
 #endif
