@@ -118,7 +118,7 @@ def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
     beside others, a little less and none (the whole batch would wait for positions it is not
     expected to keep) until its evidence fades; one it agrees with a fifth of the time does not
     draft."""
-    from rewind.engine.speculation import RowDrafts, Speculator, step_cost
+    from rewind.engine.speculation import VNNI_COSTS, RowDrafts, Speculator
 
     def row(agreed: float, disagreed: float) -> RowDrafts:
         return RowDrafts(NgramIndex([1, 2, 3]), agreed=agreed, disagreed=disagreed)
@@ -139,25 +139,25 @@ def test_a_row_feeds_only_as_much_of_its_draft_as_raises_the_steps_rate():
     # Never more than was found, and a step's rate only grows.
     length, tokens, positions = Speculator.worth_drafting(agreeing, 3, *three)
     assert 0 < length <= 3 and positions == 3 + length
-    assert tokens / step_cost(positions, 3) > three[0] / step_cost(3, 3)
+    assert tokens / VNNI_COSTS.cost(positions, 3) > three[0] / VNNI_COSTS.cost(3, 3)
 
 
 @pytest.mark.parametrize("kernels", ["avx512vnni", "avx2"])
 def test_a_steps_cost_follows_the_measured_points_and_widens_by_the_last_span(kernels: str):
     """The step cost by positions: the measured points themselves, between them on the line,
     past them at the last span's rate."""
-    from rewind.engine.speculation import step_cost, step_costs_for
+    from rewind.engine.speculation import step_costs_for
 
     costs = step_costs_for(kernels)
     for positions, cost in costs.points:
-        assert step_cost(positions, 1, costs) == pytest.approx(cost)
+        assert costs.cost(positions, 1) == pytest.approx(cost)
     (x0, y0), (x1, y1) = costs.points[-2:]
-    assert step_cost(x1 + 8, 1, costs) == pytest.approx(y1 + 8 * (y1 - y0) / (x1 - x0))
+    assert costs.cost(x1 + 8, 1) == pytest.approx(y1 + 8 * (y1 - y0) / (x1 - x0))
     (_, at3), (_, at5) = costs.points[2:4]
-    assert step_cost(4, 3, costs) == pytest.approx((at3 + at5) / 2 + 2 * costs.row_cost)
+    assert costs.cost(4, 3) == pytest.approx((at3 + at5) / 2 + 2 * costs.row_cost)
     # Every position costs something, and a row beside others costs its own share.
-    assert all(step_cost(n + 1, 1, costs) > step_cost(n, 1, costs) for n in range(1, 30))
-    assert step_cost(3, 3, costs) > step_cost(3, 1, costs)
+    assert all(costs.cost(n + 1, 1) > costs.cost(n, 1) for n in range(1, 30))
+    assert costs.cost(3, 3) > costs.cost(3, 1)
 
 
 def test_auto_prices_drafts_by_the_kernels_own_costs():

@@ -61,9 +61,9 @@ class StepCosts:
 
     points: tuple[tuple[int, float], ...]
     row_cost: float
-    measured_on: str
 
     def cost(self, positions: int, rows: int) -> float:
+        """A step of `rows` rows and `positions` positions, in plain one-row steps."""
         points = self.points
         if positions >= points[-1][0]:
             (x0, y0), (x1, y1) = points[-2], points[-1]
@@ -78,28 +78,22 @@ class StepCosts:
 # 16 drafted tokens took 19.4, 23.9, 26.9, 37.1, 48.1 and 58.8 ms; three plain rows 29.9 ms,
 # three rows with 4, 8 and 16 drafted tokens between them 48.8, 56.3 and 68.0.
 VNNI_COSTS = StepCosts(((1, 1.0), (2, 1.23), (3, 1.39), (5, 1.91), (9, 2.48), (17, 3.03)),
-                       0.12, "Intel Xeon, AVX-512 VNNI kernels")
+                       0.12)
 # The AVX2 build: a 2-core AMD EPYC (Zen 2, no AVX-512) after the decode claims of a754936
 # (benchmarks/results/verify-cost-epyc-zen2-a754936.md): 17.5, 22.2, 27.1, 44.5, 72.4 and 119.4 ms
 # for one row and k = 0..16; two plain rows 23.3 ms, four 39.2. Without VNNI an int8 product is
 # three instructions a vector (maddubs, madd, add), and at 2 threads the head is bound by them,
 # not by memory: each drafted position costs ~40% of a plain step, where on the Xeon ~15%.
 AVX2_COSTS = StepCosts(((1, 1.0), (2, 1.27), (3, 1.55), (5, 2.54), (9, 4.14), (17, 6.82)),
-                       0.06, "AMD EPYC (Zen 2), AVX2 kernels")
-# Other backends that draft (MLX's layers on the CPU, CUDA's check) take the VNNI figures, the
-# cheaper side: `auto` drafts there only as an explicit mode would less the drafts least kept.
-STEP_COSTS_BY_KERNELS = {"avx512vnni": VNNI_COSTS, "avx512": VNNI_COSTS, "avx2": AVX2_COSTS}
+                       0.06)
+# A build without figures of its own (plain AVX-512), or no build (GPUs, where `auto` does not
+# draft), takes the VNNI figures.
+STEP_COSTS_BY_KERNELS = {"avx512vnni": VNNI_COSTS, "avx2": AVX2_COSTS}
 
 
 def step_costs_for(kernels: str | None) -> StepCosts:
-    """The step costs of a C kernel build (rewind.kernels.native.chosen_isa()), or the VNNI
-    build's for none. The AVX-512 build without VNNI takes the VNNI figures, unmeasured."""
+    """The step costs of a C kernel build (rewind.kernels.native.chosen_isa())."""
     return STEP_COSTS_BY_KERNELS.get(kernels or "", VNNI_COSTS)
-
-
-def step_cost(positions: int, rows: int, costs: StepCosts = VNNI_COSTS) -> float:
-    """A step's cost in plain one-row steps (`costs`, interpolated)."""
-    return costs.cost(positions, rows)
 
 
 FIRST_PRIOR = 0.8  # a row's acceptance before anything was verified in this engine
