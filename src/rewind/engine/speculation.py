@@ -52,11 +52,11 @@ PAUSE_STEPS_MAX = 64
 class StepCosts:
     """What a step costs, in plain one-row steps, by the positions it computes (its rows plus
     their drafted tokens), measured with `python benchmarks/probes/verify_cost.py` on the
-    default model, 1,024 tokens held per row. The cost of a position falls, overall, as a step
-    widens (the products read each weight once for every position, and wider products take
-    faster kernels), so a draft beside others' costs less than alone: what a draft adds is the
-    step's cost with it less without it. Past the last point each position adds what the last
-    span did. Each row beyond the first adds `row_cost` besides its positions (its own cache's
+    default model, 1,024 tokens held per row. What a draft adds is the step's cost with it less
+    without it: where the cost of a position falls as a step widens (the VNNI build: each weight
+    read once for every position, wider products on faster kernels) a draft beside others' costs
+    less than alone; where the products are bound by their arithmetic (the AVX2 build) it does
+    not fall. Past the last point each position adds what the last span did. Each row beyond the first adds `row_cost` besides its positions (its own cache's
     attention and bookkeeping)."""
 
     points: tuple[tuple[int, float], ...]
