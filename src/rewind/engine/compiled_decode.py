@@ -274,7 +274,7 @@ def _attention_modules(model: Any) -> int:
 
 def _full_attention(layer: Any, rows: int) -> bool:
     """A batch cache of full attention; on CUDA also one row's own growing cache (a row
-    decoding alone on caches of its own while it may draft: rewind.engine.runner.lone_rows),
+    decoding alone on caches of its own: rewind.engine.runner.lone_rows),
     whose plain call's attention is the same kernel as the view's."""
     return type(layer) is GrowingBatchKVCache or (
         type(layer) is GrowingKVCache and rows == 1 and _on_cuda())

@@ -84,8 +84,9 @@ class ModelRunner:
         # The positions a drafted row's check may bring (its input and drafts): the CUDA
         # kernels' rows (cuda_rows.MAX_ROWS); no bound elsewhere.
         self.max_check_positions: int | None = cuda_rows.MAX_ROWS if cuda_rows_alone else None
-        # Set by the scheduler when rows draft: a row decoding alone keeps its own caches
-        # (RowCaches of one row); two or more share one merged batch cache.
+        # Set by the scheduler where rows compute alone (lone_rows_exact), drafting or not: a
+        # row decoding alone keeps its own caches (RowCaches of one row); two or more share one
+        # merged batch cache.
         self.lone_rows = False
         # Whether drafting rows' linear-attention layers are recorded so that they can give
         # tokens back (rewind.cache.linear_steps); set with `lone_rows`.
@@ -106,10 +107,16 @@ class ModelRunner:
             self.compiled_decode = make() if thread is None else thread.keep(
                 f"compiled_decode {id(model)}", make)
 
-    def draft_alone(self) -> None:
-        """Rows decoding alone keep their own caches from now on (the scheduler drafts), and
-        the model's linear-attention layers record a drafting row's call."""
+    def decode_alone(self) -> None:
+        """Rows decoding alone keep their own caches from now on, where a batch would merge
+        them (MLX's layers): a lone row then computes with a one-token step's bits whether or
+        not it drafts, so its answer is the same with speculation on and off."""
         self.lone_rows = self.layer_count is None
+
+    def draft_alone(self) -> None:
+        """decode_alone, and the model's linear-attention layers record a drafting row's call
+        (the scheduler drafts)."""
+        self.decode_alone()
         if self.lone_rows:
             gated_delta.observe(linear_steps.note_recurrence)
             self.linear_steps = linear_steps.install(self.model)

@@ -101,6 +101,10 @@ class Scheduler:
         if mode != "off":
             self.pipeline = False
             runner.draft_alone()
+        elif rows_alone:
+            # The same lone-row path as with speculation on: MLX's merged batch computes a lone
+            # row with other bits (its masked attention) than the row's own cache does.
+            runner.decode_alone()
         # A draft model (rewind.engine.draft_model) drafts where `auto` would draft from text.
         if draft_model is not None and config.speculative == "auto" and mode != "off":
             mode = "draft"
