@@ -111,3 +111,28 @@ def test_every_kernel_build_gives_the_same_logits(converted):
     reference = runs["avx2"]
     for logits in runs.values():
         np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_the_stored_embedding_lookup_gives_mlx_lookups_bits(converted, arch):
+    """The stored table's rows come in through NumPy (and Gemma's float32 scale with them): the
+    same logits, bit for bit, as the MLX graph the lookup used to build, for a prompt and a
+    decode step after it."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    loaded = load_model(str(converted(arch)), in_place=True)
+    forward = native_forward(loaded.model)
+    assert forward is not None and forward._stored_embed is not None
+    stored_rows = forward._stored_embed
+    runs = []
+    try:
+        for rows in (stored_rows, None):  # None: through MLX's lookup and multiply
+            forward._stored_embed = rows
+            cache = make_prompt_cache(loaded.model)
+            prompt = loaded.model(mx.array([PROMPT]), cache=cache)
+            step = loaded.model(mx.array([[7]]), cache=cache)
+            runs.append([np.array(out[0].astype(mx.float32)) for out in (prompt, step)])
+    finally:
+        forward._stored_embed = stored_rows
+    for numpy_lookup, mlx_lookup in zip(*runs):
+        np.testing.assert_array_equal(numpy_lookup, mlx_lookup)

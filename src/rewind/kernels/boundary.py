@@ -48,14 +48,23 @@ def _forget_owner(key: int) -> None:
     _OWNED_BOUNDS.pop(key, None)
 
 
-def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
-    """[low, high) of the memory held by the array at the root of `array`'s chain of views
-    (through as_strided's wrapper objects too)."""
+def _root(array: np.ndarray) -> np.ndarray:
+    """The array at the root of `array`'s chain of views (through as_strided's wrapper objects
+    too): the one whose memory the chain holds."""
     owner, base = array, array.base
     while base is not None:
         if isinstance(base, np.ndarray):
             owner = base
         base = getattr(base, "base", None)
+    return owner
+
+
+def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
+    """[low, high) of the memory held by the array at the root of `array`'s chain of views."""
+    return _root_bounds(_root(array))
+
+
+def _root_bounds(owner: np.ndarray) -> tuple[int, int]:
     known = _OWNED_BOUNDS.get(id(owner))
     if known is not None and known[0]() is owner:
         return known[1], known[2]
@@ -108,8 +117,13 @@ def checked(array: object, name: str, dtype: np.dtype, shape: tuple[int, ...], *
     if not address and array.size:
         raise KernelCallError(f"{name}: null buffer")
     if array.base is not None:  # a view: its extent must lie within what its owner holds
+        owner = _root(array)
+        if owner is array:
+            # The root of its chain (an array over another object's buffer, such as an MLX
+            # array's host view, whose memoryview holds it): its extent is what it holds.
+            return address
         low, high = _extent(array, address)
-        owner_low, owner_high = _owner_bounds(array)
+        owner_low, owner_high = _root_bounds(owner)
         if low < owner_low or high > owner_high:
             raise KernelCallError(f"{name}: its view reaches [{low:#x}, {high:#x}) outside its "
                                   f"buffer [{owner_low:#x}, {owner_high:#x})")

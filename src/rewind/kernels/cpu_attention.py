@@ -39,10 +39,25 @@ def _mask_arguments(mask: Any, shape: tuple[int, int, int, int]) -> tuple[int, A
     return native.MASK_ADD, mx.broadcast_to(mask.astype(mx.float32), shape)
 
 
+_MLX_LM_CACHE: Any = None
+
+
+def _mlx_lm_cache() -> Any:
+    """mlx_lm.models.cache, imported at first use (importing mlx_lm loads transformers, which
+    importing this module should not) and held after: a decode step asks for its classes
+    several times a layer, where an import statement costs a lookup through the import system."""
+    global _MLX_LM_CACHE
+    if _MLX_LM_CACHE is None:
+        from mlx_lm.models import cache
+
+        _MLX_LM_CACHE = cache
+    return _MLX_LM_CACHE
+
 def _first_and_rotation(cache: Any, total: int) -> tuple[int, int] | None:
     """The absolute position of the oldest of the `total` keys `cache.update_and_fetch` just
     returned, and its buffer index; None where the layout is not known here."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    module = _mlx_lm_cache()
+    KVCache, RotatingKVCache = module.KVCache, module.RotatingKVCache
 
     offset = getattr(cache, "offset", None)
     if not isinstance(offset, int) or offset < total:
@@ -82,7 +97,8 @@ def _padded_rows(cache: Any, batch: int, total: int) -> tuple[np.ndarray, np.nda
     by absolute position, a row's keys fall into the blocks they fall into alone, so its
     attention rounds as it does alone, whatever rows share the batch; the padding slots come
     after its newest key, masked. None where the layout is not known here."""
-    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+    module = _mlx_lm_cache()
+    BatchKVCache, BatchRotatingKVCache = module.BatchKVCache, module.BatchRotatingKVCache
 
     if isinstance(cache, BatchRotatingKVCache):
         if cache.keys is None or cache._lengths is not None:
@@ -186,7 +202,8 @@ def _updates_in_place(cache: Any) -> bool:
     other: mlx-lm's KVCache and Rewind's GrowingKVCache (they grow by copying rows to the same
     indices), and a RotatingKVCache that keeps no first tokens and holds no more rows than its
     window (else the update trims the buffer's front and every index moves)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    module = _mlx_lm_cache()
+    KVCache, RotatingKVCache = module.KVCache, module.RotatingKVCache
 
     if getattr(cache, "keys", None) is None or not isinstance(getattr(cache, "offset", None), int):
         return False
@@ -201,7 +218,8 @@ def _layout_after_one(cache: Any) -> tuple[int, tuple[int, int]]:
     their first position and rotation (see `key_layout`), worked out before the update: the
     offset grows by one; a ring writes at its next index, wrapping at max_size (mlx-lm's
     _update_in_place)."""
-    from mlx_lm.models.cache import RotatingKVCache
+    module = _mlx_lm_cache()
+    RotatingKVCache = module.RotatingKVCache
 
     offset = cache.offset + 1
     if type(cache) is RotatingKVCache:
@@ -223,7 +241,8 @@ def tail_layout(cache: Any, rows: int) -> tuple[tuple[int, int, int, int],
     KVCache and Rewind's growing cache keep every key in order; a RotatingKVCache that keeps no
     first tokens puts its keys in temporal order and keeps the newest max_size - 1 of them
     before the new ones (mlx-lm's _update_concat), and its mask says which each row sees."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    module = _mlx_lm_cache()
+    KVCache, RotatingKVCache = module.KVCache, module.RotatingKVCache
 
     keys = getattr(cache, "keys", None)
     offset = getattr(cache, "offset", None)
