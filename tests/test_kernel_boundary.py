@@ -30,6 +30,21 @@ def test_a_strided_view_past_its_buffer_is_refused() -> None:
         checked(outside, "q", F32, (2, 2, 4, 16), strided=True)
 
 
+def test_a_strided_view_past_an_mlx_arrays_host_view_is_refused() -> None:
+    """A host view of an MLX array (rewind.kernels.host_view: NumPy over the array's memory) is
+    its own root, and passes as it is; a view built on it that runs past it is refused."""
+    import mlx.core as mx
+
+    from rewind.kernels.host_view import host_view
+
+    whole = host_view(mx.zeros((1, 2, 8, 16), mx.float32) + 1)
+    assert checked(whole, "k", F32, (1, 2, 8, 16), strided=True)
+    assert checked(whole[:, :, :4], "k", F32, (1, 2, 4, 16), strided=True)
+    outside = as_strided(whole, shape=(1, 2, 16, 16), strides=whole.strides)
+    with pytest.raises(KernelCallError, match="outside its buffer"):
+        checked(outside, "k", F32, (1, 2, 16, 16), strided=True)
+
+
 @pytest.mark.parametrize("bad, match", [
     (np.zeros((3, 8), np.float64), "dtype"),
     (np.zeros((3, 9), np.float32), "shape"),
