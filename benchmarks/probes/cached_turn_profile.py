@@ -5,6 +5,9 @@ cProfile wraps each of the engine thread's steps while a cached turn runs, so it
 call of the step, and MLX's waits show up in the function that waited (`mx.eval`, `.item()`,
 `.tolist()`, a copy to the host). Requests: a cold prompt, then that prompt plus a new tail
 (the cached turn), then a second cold prompt and its cached turn (the same shapes again).
+`--prefixes 2900,3200` runs the rounds at those prefix lengths instead: whether a first cached
+turn's one-off cost is paid once per exact call shape, or once for calls at contexts near it
+(what a warm-up at a long context would then remove).
 
     PYTHONPATH=src python benchmarks/probes/cached_turn_profile.py [--shape qwen3.5-0.8b]
 """
@@ -69,6 +72,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/probes/cached_turn_profile.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3.5-0.8b", help=", ".join({**SHAPES, **QUICK_SHAPES}))
     parser.add_argument("--prefix", type=int, default=3200)
+    parser.add_argument("--prefixes", default="",
+                        help="comma-separated prefix lengths, one round each (default: --prefix twice)")
     parser.add_argument("--tail", type=int, default=155)
     parser.add_argument("--top", type=int, default=25, help="functions listed by own time")
     parser.add_argument("--json", type=Path)
@@ -84,11 +89,13 @@ def main() -> int:
     engine = Engine(loaded, config, cache)
     steps_hook = ProfiledSteps(engine)
     engine.start()
-    results: dict[str, Any] = {"shape": args.shape, "prefix": args.prefix, "tail": args.tail,
+    prefixes = ([int(p) for p in args.prefixes.split(",")] if args.prefixes
+                else [args.prefix, args.prefix])
+    results: dict[str, Any] = {"shape": args.shape, "prefixes": prefixes, "tail": args.tail,
                                "requests": []}
     profiles: list[str] = []
-    for round_ in (1, 2):
-        cold = make_prompts(1, args.prefix, vocab, 100 * round_)[0]
+    for round_, prefix in enumerate(prefixes, start=1):
+        cold = make_prompts(1, prefix, vocab, 100 * round_)[0]
         tail = make_prompts(1, args.tail, vocab, 100 * round_ + 1)[0]
         for label, prompt in (("cold", cold), ("cached turn", cold + tail)):
             profile = cProfile.Profile() if label == "cached turn" else None
