@@ -53,6 +53,7 @@ def _mlx_lm_cache() -> Any:
         _MLX_LM_CACHE = cache
     return _MLX_LM_CACHE
 
+
 def _first_and_rotation(cache: Any, total: int) -> tuple[int, int] | None:
     """The absolute position of the oldest of the `total` keys `cache.update_and_fetch` just
     returned, and its buffer index; None where the layout is not known here."""

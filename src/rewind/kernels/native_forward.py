@@ -402,8 +402,9 @@ class NativeForward:
         self.stored_bytes = 0  # bytes of the stored weights read in place beside the layers'
         self.stored_types = "" if stored is None else ", ".join(
             f"{name} x{count}" for name, count in stored.types().items())
-        # The stored table, whose rows `begin` looks up in NumPy (its scale is float32).
+        # The stored table, whose rows `begin` looks up in NumPy, and Gemma's float32 scale.
         self._stored_embed: InPlaceEmbedding | None = None
+        self._stored_scale: np.float32 | None = None
         if stored is None:
             # The embedding module, not the backbone: the backend's table maps the backbone to
             # this object, and a reference back would keep every unloaded model alive.
@@ -424,7 +425,8 @@ class NativeForward:
             scale = backbone.args.hidden_size ** 0.5
             self.embed_scale = (mx.array(scale, mx.float32) if stored is not None
                                 else mx.array(scale, mx.bfloat16))
-            self.embed_scale_value = scale
+            if stored is not None:
+                self._stored_scale = np.float32(scale)
             self.window = backbone.window_size
         else:
             self.window = getattr(backbone, "sliding_window", None)
@@ -529,8 +531,8 @@ class NativeForward:
             # a tenth of a millisecond of every decode step.
             batch, length = int(inputs.shape[0]), int(inputs.shape[1])
             x = self._stored_embed.rows(inputs)  # a new array: the layers add into it in place
-            if self.embed_scale is not None:
-                x *= np.float32(self.embed_scale_value)
+            if self._stored_scale is not None:
+                x *= self._stored_scale
         else:
             h = self._embeddings(inputs, input_embeddings)
             batch, length = int(h.shape[0]), int(h.shape[1])
