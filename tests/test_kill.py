@@ -121,8 +121,12 @@ def test_a_stopped_or_killed_persistent_server_resumes_after_restart(tiny_model_
         answer, cached = ask(first.base_url)
         assert cached == 0
         if stop_signal == signal.SIGKILL:
+            # Until the records are on the disk and in its index: the request's records reach
+            # the disk writer's queue after its answer, so a queue and an index with nothing
+            # left to write may only mean that they have not come yet.
             deadline = time.monotonic() + 60
-            while (metric(first.base_url, "rewind_prompt_cache_disk_queued_bytes")
+            while (not metric(first.base_url, 'rewind_prompt_cache_bytes{tier="disk"}')
+                   or metric(first.base_url, "rewind_prompt_cache_disk_queued_bytes")
                    or metric(first.base_url, "rewind_prompt_cache_unindexed_changes")):
                 assert time.monotonic() < deadline, "the index was never written"
                 time.sleep(0.1)
