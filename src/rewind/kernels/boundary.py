@@ -59,12 +59,8 @@ def _root(array: np.ndarray) -> np.ndarray:
     return owner
 
 
-def _owner_bounds(array: np.ndarray) -> tuple[int, int]:
-    """[low, high) of the memory held by the array at the root of `array`'s chain of views."""
-    return _root_bounds(_root(array))
-
-
 def _root_bounds(owner: np.ndarray) -> tuple[int, int]:
+    """[low, high) of the memory `owner` (a chain's root, `_root`) holds."""
     known = _OWNED_BOUNDS.get(id(owner))
     if known is not None and known[0]() is owner:
         return known[1], known[2]
