@@ -27,7 +27,8 @@ from rewind.testing.tiny_models import build_tiny_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/probes/native_step_time.py",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="a registry name or folder (default: a tiny "
                         "18-layer random Gemma 3)")
     parser.add_argument("--context", type=int, default=197, help="prompt tokens before the steps")
