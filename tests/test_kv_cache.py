@@ -170,7 +170,14 @@ def test_same_logits_as_mlx_lm_caches(tiny_loaded, tiny_family: str) -> None:
         mx.eval(outputs)
         results.append(outputs)
     for ours, theirs in zip(*results):
-        assert mx.array_equal(ours, theirs)
+        if mx.default_device() == mx.cpu:
+            assert mx.array_equal(ours, theirs)
+        else:
+            # On CUDA a prompt call over our cache attends at padded shapes
+            # (rewind.kernels.prompt_shapes), which round apart from mlx-lm's exact ones in
+            # the last bits; a wrong key or position would part by far more.
+            assert mx.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
+            assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1))
 
 
 def test_saved_cache_loads_as_growing(tmp_path: Path) -> None:
