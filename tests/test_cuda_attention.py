@@ -354,3 +354,24 @@ def test_warm_kernels_runs_each_variant_for_the_head_shapes_called(monkeypatch) 
                             lambda name=name, original=original: built.append(name) or original())
     assert cuda_attention.warm_kernels() == 1
     assert sorted(built) == ["_combine_kernel", "_kernel", "_spans_kernel"]
+
+
+@pytest.mark.parametrize("queries,mask", [(180, "causal"), (1, None)])
+def test_a_quantized_cache_attends_through_its_dequantized_keys(queries: int, mask) -> None:
+    """`rewind generate --kv-bits`: over mlx-lm's QuantizedKVCache the routed attention gives
+    mlx-lm's quantized answer (on the CPU, whose quantized_matmul takes every shape), without
+    the packed product MLX's CUDA backend refuses for most key counts."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    heads, kv_heads, dim, length = 4, 1, 64, 180
+    cache = QuantizedKVCache(group_size=64, bits=4)
+    keys = mx.random.normal((1, kv_heads, length, dim), key=mx.random.key(1))
+    values = mx.random.normal((1, kv_heads, length, dim), key=mx.random.key(2))
+    q_keys, q_values = cache.update_and_fetch(keys, values)
+    q = mx.random.normal((1, heads, queries, dim), key=mx.random.key(3))
+    ours = cuda_attention._attention(q, q_keys, q_values, cache, dim ** -0.5, mask)
+    theirs = quantized_scaled_dot_product_attention(q, q_keys, q_values, dim ** -0.5, mask,
+                                                    group_size=64, bits=4)
+    assert ours.shape == theirs.shape == (1, heads, queries, dim)
+    assert mx.allclose(ours, theirs, rtol=1e-3, atol=1e-3)

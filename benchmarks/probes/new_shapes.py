@@ -4,9 +4,8 @@ chunk is a length no earlier prompt had, and on CUDA each new shape may build ke
 Times the first and the second call at each of several new lengths, for the pieces of a hybrid
 model's prefill chunk (attention, a matmul, the gated delta recurrence; attention at exact and at
 rewind.kernels.prompt_shapes' padded shapes) and for the whole chunk through Rewind's ModelRunner
-on random Llama-3.2-1B-shaped (padded prompt shapes on and off; products at padded row counts,
-rewind.kernels.prompt_rows, with their plans warmed as the server does, and at exact ones) and
-Qwen 3.5 0.8B-shaped models, after a 3,072-token prefix.
+on random Llama-3.2-1B-shaped (padded prompt shapes on and off) and Qwen 3.5 0.8B-shaped models,
+after a 3,072-token prefix.
 
     PYTHONPATH=src python benchmarks/probes/new_shapes.py [--quick] [--json out.json]
 """
@@ -103,22 +102,12 @@ def op_rows(prefix: int, lengths: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def warm_products(model: Any) -> int:
-    """What the server's warm-up does for the prompt calls' products (rewind.engine.warm_up)."""
-    from rewind.config import GPU_CHUNK_TOKENS
-    from rewind.kernels import cuda_rows, prompt_rows
-
-    return prompt_rows.warm_plans([m.weight for _, m in model.named_modules()
-                                   if type(m) is cuda_rows.RowsLinear], GPU_CHUNK_TOKENS)
-
-
 def model_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, Any]]:
     """Tail chunks of new lengths after the prefix, with the linear-attention convolution as
     loaded (shifted multiply-adds on CUDA) and as mlx-lm's nn.Conv1d; each variant gets lengths
     of its own, so both meet them first."""
     import mlx.nn as nn
 
-    from rewind import env
     from rewind.bench.decode_scaling_models import QUICK_SHAPES, SHAPES, build_model, make_prompts
     from rewind.engine.runner import ModelRunner
     from rewind.kernels.shifted_conv import ShiftedDepthwiseConv1d
@@ -137,11 +126,14 @@ def model_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
         mx.eval(runner.prefill(cache, base, 0, [], None))
         return cache
 
-    def tail_rows(label: str, after_prefix: Callable[[], Any], lengths: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    variants = [("as loaded", ShiftedDepthwiseConv1d)] + ([("nn.Conv1d", nn.Conv1d)] if shifted else [])
+    for index, (variant, conv_class) in enumerate(variants):
+        for module in shifted:
+            module.__class__ = conv_class
         for _ in range(2):  # the prefix's own chunk shapes, compiled before anything is timed
             after_prefix()
-        rows = []
-        for length in lengths:
+        for length in (n + index for n in lengths):
             tail = make_prompts(1, length, vocab, seed=length)[0]
             times = []
             for _ in range(3):
@@ -150,24 +142,10 @@ def model_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
                 started = time.perf_counter()
                 mx.eval(runner.prefill(cache, tail, prefix, [], None))
                 times.append((time.perf_counter() - started, ptx_files() - before))
-            rows.append({"piece": f"{label}: tail chunk", "length": length,
-                         "first_ms": times[0][0] * 1e3,
+            rows.append({"piece": f"{name}, conv {variant} ({len(shifted)} shifted): tail chunk",
+                         "length": length, "first_ms": times[0][0] * 1e3,
                          "again_ms": min(t for t, _ in times[1:]) * 1e3,
                          "ptx_written": times[0][1]})
-        return rows
-
-    rows = []
-    warm_products(loaded.model)
-    variants = [("as loaded", ShiftedDepthwiseConv1d, "on"),
-                ("as loaded, rows exact", ShiftedDepthwiseConv1d, "off")]
-    if shifted:
-        variants.append(("nn.Conv1d, rows exact", nn.Conv1d, "off"))
-    for index, (variant, conv_class, padded_rows) in enumerate(variants):
-        for module in shifted:
-            module.__class__ = conv_class
-        with env.overridden({env.PROMPT_ROWS: padded_rows}):
-            rows += tail_rows(f"{name}, conv {variant} ({len(shifted)} shifted)", after_prefix,
-                              [n + index for n in lengths])
     for module in shifted:
         module.__class__ = ShiftedDepthwiseConv1d
     cold = make_prompts(1, prefix + lengths[0], vocab, seed=99)[0]
@@ -196,14 +174,8 @@ def llama_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
     runner = ModelRunner(loaded.model, block_tokens=256)
     base = make_prompts(1, prefix, vocab, seed=1)[0]
     rows = []
-    # The prompt calls' products at padded row counts with their plans built as the server's
-    # warm-up builds them (rewind.kernels.prompt_rows), then at exact row counts.
-    warm_products(loaded.model)
-    variants = (("prompt shapes on, rows padded", "on", "on"),
-                ("prompt shapes on, rows exact", "on", "off"),
-                ("prompt shapes off, rows exact", "off", "off"))
-    for index, (label, shapes, padded_rows) in enumerate(variants):
-        with env.overridden({env.PROMPT_SHAPES: shapes, env.PROMPT_ROWS: padded_rows}):
+    for index, setting in enumerate(("on", "off")):
+        with env.overridden({env.PROMPT_SHAPES: setting}):
             def after_prefix() -> Any:
                 cache = runner.new_cache()
                 mx.eval(runner.prefill(cache, base, 0, [], None))
@@ -211,7 +183,7 @@ def llama_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
 
             for _ in range(2):
                 after_prefix()
-            for length in (n + 3 + index for n in lengths):
+            for length in (n + 2 + index for n in lengths):
                 tail = make_prompts(1, length, vocab, seed=length)[0]
                 times = []
                 for _ in range(3):
@@ -219,7 +191,7 @@ def llama_rows(prefix: int, lengths: list[int], quick: bool) -> list[dict[str, A
                     started = time.perf_counter()
                     mx.eval(runner.prefill(cache, tail, prefix, [], None))
                     times.append(time.perf_counter() - started)
-                rows.append({"piece": f"{name}, {label}: tail chunk",
+                rows.append({"piece": f"{name}, prompt shapes {setting}: tail chunk",
                              "length": length, "first_ms": times[0] * 1e3,
                              "again_ms": min(times[1:]) * 1e3, "ptx_written": None})
     return rows

@@ -81,10 +81,6 @@ CUDA_ATTENTION = Var("REWIND_CUDA_ATTENTION",
 PROMPT_SHAPES = Var("REWIND_PROMPT_SHAPES",
                     "off: on CUDA, a prompt call's attention runs at its exact shapes instead of "
                     "padded ones that repeat (rewind.kernels.prompt_shapes)", ("on", "off"))
-PROMPT_ROWS = Var("REWIND_PROMPT_ROWS",
-                  "off: on CUDA, a prompt call's matrix products run at its exact row count "
-                  "instead of one padded to a multiple of 32 (rewind.kernels.prompt_rows)",
-                  ("on", "off"))
 COMPILED_DECODE = Var("REWIND_COMPILED_DECODE",
                       "a decode step of MLX's layers over full-attention caches built once per "
                       "batch shape and replayed (mx.compile; rewind.engine.compiled_decode): auto "
@@ -127,7 +123,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        PROMPT_SHAPES, PROMPT_ROWS, COMPILED_DECODE, FUSED_PROJECTIONS, FAST_GELU,
+                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
@@ -174,10 +170,6 @@ def cuda_attention_off() -> bool:
 
 def prompt_shapes_off() -> bool:
     return PROMPT_SHAPES.get() == "off"
-
-
-def prompt_rows_off() -> bool:
-    return PROMPT_ROWS.get() == "off"
 
 
 def compiled_decode() -> str:

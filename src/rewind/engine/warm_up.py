@@ -12,9 +12,7 @@ restore, its checkpoints and its short calls have kernels of their own. On an H1
 cached turn of a process took ~100 ms where later ones, tails of new lengths included, took ~40.
 Last, Rewind's decode attention kernel is built for contexts past these prompts (its spans),
 and on CUDA the cuDNN graphs of a full prompt chunk's attention at every KV capacity up to the
-model's context (rewind.kernels.prompt_shapes: a graph a capacity, ~36 ms each on an H100) and
-cuBLAS's plans of the prompt calls' products at each padded row count (rewind.kernels.
-prompt_rows: ~2 ms a shape).
+model's context (rewind.kernels.prompt_shapes: a graph a capacity, ~36 ms each on an H100).
 
 MLX keeps compiled steps, cuDNN graphs and CUDA graphs per thread: given the model's thread
 (rewind.engine.model_thread), the warm-up's engine runs on it, and so does the serving engine
@@ -68,8 +66,7 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None,
     contexts. Raises what the engine raises, and for a request that ends in error."""
     from rewind.cache.capacity import ladder
     from rewind.engine import Engine
-    from rewind.config import default_chunk_tokens
-    from rewind.kernels import cuda_attention, cuda_rows, prompt_rows, prompt_shapes
+    from rewind.kernels import cuda_attention, prompt_shapes
     from rewind.models.catalog import context_length
 
     started = time.perf_counter()
@@ -92,26 +89,18 @@ def warm_up(loaded: Any, engine_config: Any, cache_config: Any = None,
     tokens = min(t for t in (context_length(getattr(loaded, "config", None) or {}),
                              engine_config.max_kv_size, PROMPT_GRAPH_TOKENS) if t)
 
-    def longer_contexts() -> tuple[int, int]:
+    def longer_contexts() -> int:
         cuda_attention.warm_kernels()
-        if not cuda_attention.available():
-            return 0, 0
-        # cuBLAS's plans for a prompt call's products at every padded row count: a cached
-        # turn's tail is a length no warm-up request had
-        plans = prompt_rows.warm_plans([m.weight for _, m in loaded.model.named_modules()
-                                        if type(m) is cuda_rows.RowsLinear],
-                                       engine_config.chunk_tokens or default_chunk_tokens())
-        return prompt_shapes.warm_graphs(ladder(tokens)), plans
+        return prompt_shapes.warm_graphs(ladder(tokens)) if cuda_attention.available() else 0
 
     requests_done = time.perf_counter()
-    graphs, plans = thread.run(longer_contexts) if thread is not None else longer_contexts()
+    graphs = thread.run(longer_contexts) if thread is not None else longer_contexts()
     finished = time.perf_counter()
     result = WarmUp(finished - started, generated, cached_tokens)
     # the parts apart: where a slow start-up goes (docs/HARDWARE.md, one-off costs on a GPU)
     log.info("warmed up %s in %.2f s (requests %.2f s; longer contexts %.2f s, %d prompt "
-             "attention graphs up to %d tokens, %d prompt product plans)",
-             getattr(loaded, "name", "the model"), result.seconds, requests_done - started,
-             finished - requests_done, graphs, tokens, plans)
+             "attention graphs up to %d tokens)", getattr(loaded, "name", "the model"),
+             result.seconds, requests_done - started, finished - requests_done, graphs, tokens)
     return result
 
 

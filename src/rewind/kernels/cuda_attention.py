@@ -517,7 +517,9 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
     """mlx_lm.models.base.scaled_dot_product_attention with the kernel where it applies."""
     from mlx_lm.models import base
 
-    if sinks is None and not hasattr(cache, "bits") and not env.cuda_attention_off():
+    if hasattr(cache, "bits"):
+        return _dequantized_attention(queries, keys, values, cache, scale, mask, sinks)
+    if sinks is None and not env.cuda_attention_off():
         if (queries.shape[2] == 1 and getattr(cache, "fixed_capacity", False)
                 and _kernel_takes(queries, cache)):
             # a compiled decode step's view (rewind.engine.compiled_decode): the whole buffer,
@@ -538,6 +540,21 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
         return prompt_shapes.attention(queries, cache, scale)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
                                              mask=mask, sinks=sinks)
+
+
+def _dequantized_attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+                           mask: Any, sinks: Any) -> mx.array:
+    """Attention over a quantized KV cache (mlx-lm's QuantizedKVCache: `rewind generate
+    --kv-bits`) through the dequantized keys and values. mlx-lm's own path multiplies by the
+    packed keys with `mx.quantized_matmul`, which MLX 0.32's CUDA backend refuses for most key
+    counts ("No implementation for problem shape: 180x180x64x4"); the dequantized buffers cost
+    one layer's keys and values in the queries' dtype for the length of the call, and the
+    cache keeps its packed form."""
+    keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+    values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale,
+        mask=mask, sinks=sinks)
 
 
 def use_in_model(model: Any) -> int:

@@ -31,8 +31,6 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from rewind.kernels import prompt_rows
-
 log = logging.getLogger(__name__)
 
 # Rows summed per pass over the weights: each lane holds a float sum per row and the slice of
@@ -162,8 +160,7 @@ _MISSED: set[str] = set()
 
 class RowsLinear(nn.Linear):
     """nn.Linear (no bias) whose calls of several rows inside `rows_alone` run this module's
-    kernel: each row the bits of MLX's one-row product. Outside, a prompt call's product runs
-    at a padded row count (rewind.kernels.prompt_rows), the others as nn.Linear's."""
+    kernel: each row the bits of MLX's one-row product. Its other calls are nn.Linear's."""
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
@@ -171,8 +168,6 @@ class RowsLinear(nn.Linear):
             if x.dtype == weight.dtype and x.size // x.shape[-1] <= MAX_ROWS:
                 return matmul(x, weight)
             missed(f"a product of {x.size // x.shape[-1]} rows of {x.dtype}")
-        if prompt_rows.takes(x):  # a prompt call: at a row count whose plan is built
-            return prompt_rows.product(x, weight)
         return x @ weight.T
 
 

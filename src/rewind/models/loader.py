@@ -317,7 +317,6 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
         tokenizer = load_tokenizer(path, eos_token_ids=loaded_config.get("eos_token_id"))
     prepare_for_backend(model, dtype, cpu_head, native_forward, stored, fuse_projections)
     from rewind.kernels.native_forward import native_forward as installed_forward
-    from rewind.kernels.prompt_rows import ROW_BUCKET, padded_in
     from rewind.models.fused_projections import fused_in
 
     in_place_now = stored is not None and getattr(installed_forward(model), "form", "") == "gguf"
@@ -327,7 +326,5 @@ def load_model(name_or_path: str, *, dtype: Any | None = None, cpu_head: str | N
     form = "|gguf" if in_place_now else ("|int8" if "int8" in (native_forward, cpu_head) else "")
     if fused_in(model):  # one product for sibling projections may round otherwise
         form += "|fused"
-    if padded_in(model):  # so may a prompt call's products at padded row counts
-        form += f"|rows{ROW_BUCKET}"
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name_or_path,
                        config=config, fingerprint=model_fingerprint(path) + form)
