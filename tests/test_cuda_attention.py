@@ -359,7 +359,7 @@ def test_warm_kernels_runs_each_variant_for_the_head_shapes_called(monkeypatch) 
 @pytest.mark.parametrize("queries,mask", [(180, "causal"), (1, None)])
 def test_a_quantized_cache_attends_through_its_dequantized_keys(queries: int, mask) -> None:
     """`rewind generate --kv-bits`: over mlx-lm's QuantizedKVCache the routed attention gives
-    mlx-lm's quantized answer (on the CPU, whose quantized_matmul takes every shape), without
+    mlx-lm's quantized answer (computed on the CPU, whose quantized_matmul takes every shape), without
     the packed product MLX's CUDA backend refuses for most key counts."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
     from mlx_lm.models.cache import QuantizedKVCache
@@ -371,7 +371,8 @@ def test_a_quantized_cache_attends_through_its_dequantized_keys(queries: int, ma
     q_keys, q_values = cache.update_and_fetch(keys, values)
     q = mx.random.normal((1, heads, queries, dim), key=mx.random.key(3))
     ours = cuda_attention._attention(q, q_keys, q_values, cache, dim ** -0.5, mask)
-    theirs = quantized_scaled_dot_product_attention(q, q_keys, q_values, dim ** -0.5, mask,
-                                                    group_size=64, bits=4)
+    with mx.stream(mx.cpu):  # the reference where its packed product runs
+        theirs = quantized_scaled_dot_product_attention(q, q_keys, q_values, dim ** -0.5, mask,
+                                                        group_size=64, bits=4)
     assert ours.shape == theirs.shape == (1, heads, queries, dim)
     assert mx.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
