@@ -24,6 +24,7 @@ from rewind.engine.faults import forward_fault
 from rewind.engine.grammar import GrammarBackend
 from rewind.engine.memory_budget import KvAccount, NeverFits, Ticket
 from rewind.engine.model_thread import ModelThread
+from rewind.engine.outbox import Outbox
 from rewind.engine.request import (
     EngineStoppedError,
     Event,
@@ -60,17 +61,20 @@ class RequestHandle:
     """The caller's end of one request: iterate the events, or cancel.
 
     Events arrive from the engine thread. Blocking iteration reads a thread-safe queue; the first
-    `async for` moves delivery onto the running event loop (call_soon_threadsafe into an
-    asyncio.Queue), so an async server never blocks a worker thread per stream.
+    `async for` (or `stream()`) moves delivery onto the running event loop, into an
+    asyncio.Queue the engine fills once per step (rewind.engine.outbox), so an async server
+    never blocks a worker thread per stream.
     """
 
-    def __init__(self, request_id: str, cancelled: threading.Event, wake_engine: Any) -> None:
+    def __init__(self, request_id: str, cancelled: threading.Event, wake_engine: Any,
+                 outbox: Outbox | None = None) -> None:
         self.request_id = request_id
         self._cancelled = cancelled
         self._wake_engine = wake_engine
+        self._outbox = outbox or Outbox()
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event | None]] | None = None
         self.finished = False
         # Set when the request holds a slot with its cached prefix restored; from then on
         # `usage.cached_tokens` (the engine's live Usage of this request) is final.
@@ -86,10 +90,7 @@ class RequestHandle:
                 self._events.put(event)
                 return
             loop, async_queue = self._async
-        try:
-            loop.call_soon_threadsafe(async_queue.put_nowait, event)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            self._cancelled.set()
+        self._outbox.post(loop, (async_queue, event, self._cancelled))
 
     def cancel(self) -> None:
         """Stop generating; the slot and its cache are freed at the engine's next step."""
@@ -115,19 +116,53 @@ class RequestHandle:
     def __iter__(self) -> Iterator[Event]:
         return self.events()
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._only_events()
+
+    async def _only_events(self) -> AsyncIterator[Event]:
+        async for event in self.stream():
+            if event is not None:
+                yield event
+
+    async def stream(self, idle_seconds: float | None = None) -> AsyncIterator[Event | None]:
+        """The events on the running loop, to the FinishEvent; with `idle_seconds`, also None
+        after each such stretch without one (a server's keep-alive). One reader per handle.
+
+        The keep-alive is one timer per idle stretch, not one per event: a stream of thousands
+        of tokens a second pays a clock read per event."""
+        loop = asyncio.get_running_loop()
         with self._lock:
             if self._async is None:
-                async_queue: asyncio.Queue[Event] = asyncio.Queue()
+                fresh: asyncio.Queue[Event | None] = asyncio.Queue()
                 while not self._events.empty():  # what arrived before the first `async for`
-                    async_queue.put_nowait(self._events.get_nowait())
-                self._async = (asyncio.get_running_loop(), async_queue)
+                    fresh.put_nowait(self._events.get_nowait())
+                self._async = (loop, fresh)
             async_queue = self._async[1]
-        while True:
-            event = await async_queue.get()
-            yield event
-            if isinstance(event, FinishEvent):
-                return
+        last_event = loop.time()
+        timer: asyncio.TimerHandle | None = None
+
+        def tick() -> None:
+            nonlocal timer, last_event
+            assert idle_seconds is not None
+            now = loop.time()
+            if now - last_event >= idle_seconds:
+                async_queue.put_nowait(None)
+                last_event = now
+            timer = loop.call_at(last_event + idle_seconds, tick)
+
+        if idle_seconds is not None:
+            timer = loop.call_at(last_event + idle_seconds, tick)
+        try:
+            while True:
+                event = await async_queue.get()
+                if event is not None:
+                    last_event = loop.time()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def collect(self, timeout: float | None = None) -> Completion:
         """Wait for the whole output."""
@@ -239,6 +274,7 @@ class Engine:
         self._samples: dict[str, deque[float]] = {}
         self._build()
         self._wakeup = threading.Event()
+        self._outbox = Outbox()  # the async readers' events, sent once per step
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop_done: Future[None] | None = None  # the loop's run on the model thread
@@ -345,7 +381,7 @@ class Engine:
             except NeverFits as exc:
                 raise InvalidRequestError(str(exc)) from exc
         cancelled = threading.Event()
-        handle = RequestHandle(request.request_id, cancelled, self._wakeup.set)
+        handle = RequestHandle(request.request_id, cancelled, self._wakeup.set, self._outbox)
         sequence = Sequence(
             request=request,
             emit=handle._deliver,
@@ -500,7 +536,8 @@ class Engine:
         while not self._stopping.is_set():
             self._wakeup.clear()  # before the step: a submit during it keeps the flag set
             try:
-                did_work = self.step()
+                with self._outbox.batch():  # the step's events reach their loops at its end
+                    did_work = self.step()
                 if busy and not did_work:
                     # Idle again: the requests' temporaries are freed (by reference counting; a
                     # full garbage collection would hold the next request ~45 ms): hand them

@@ -95,18 +95,10 @@ class Generation:
                      ) -> AsyncIterator[Piece | None]:
         """Parsed pieces; None every `keepalive_seconds` without one (the caller sends a
         keep-alive). Ends after the engine's FinishEvent, which is then in `self.finish`."""
-        events: asyncio.Queue[Any] = asyncio.Queue()
-
-        async def pump() -> None:  # a task of its own, so a keep-alive timeout cancels nothing
-            async for event in self.handle:
-                events.put_nowait(event)
-
-        pump = asyncio.create_task(pump())
         try:
-            while self.finish is None:
-                try:
-                    event = await asyncio.wait_for(events.get(), keepalive_seconds)
-                except asyncio.TimeoutError:
+            # The handle's own queue, keep-alives included: no task or timer per token
+            async for event in self.handle.stream(keepalive_seconds):
+                if event is None:
                     yield None
                     continue
                 if isinstance(event, TokenEvent):
@@ -119,7 +111,6 @@ class Generation:
                     for piece in self.splitter.finish():
                         yield piece
         finally:
-            pump.cancel()
             self._watcher.cancel()
             self.handle.cancel()  # a no-op once finished; frees the slot when we stop early
             outcome = self.finish.reason if self.finish is not None else "cancelled"
