@@ -16,7 +16,7 @@ rm -rf .gpu3 && mkdir -p .gpu3
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any \
   "mlx-lm>=0.32,<0.33" "gguf>=0.17" "tokenizers>=0.20" "transformers>=5.18" sentencepiece safetensors \
-  jinja2 "xxhash>=3" "llguidance>=1.9" psutil "fastapi>=0.110" "uvicorn>=0.29" "pydantic>=2" \
+  jinja2 "xxhash>=3" "llguidance>=1.9" psutil "fastapi>=0.110" "uvicorn>=0.29" uvloop httptools "pydantic>=2" \
   prometheus-client rich tqdm "huggingface_hub>=0.24" \
   pytest pytest-timeout pytest-xdist "openai>=1.0" "anthropic>=0.40" httpx jsonschema
 # What the machine has or what travels apart: numpy and MLX; hf_xet only speeds downloads.

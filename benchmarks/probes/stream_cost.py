@@ -78,7 +78,9 @@ def run_once(src: Path, model: Path, streams: int, warm_s: float, window_s: floa
     port = free_port()
     argv = [sys.executable, "-m", "rewind", "serve", "--model", str(model), "--host", LOOPBACK,
             "--port", str(port), "--parallel", str(streams), "--log-level", "warning"]
-    env = {**os.environ, "PYTHONPATH": str(src.resolve())}
+    # a tree may name more folders after it (`src:/tmp/extra-site`), searched after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        str(Path(part).resolve()) for part in str(src).split(os.pathsep))}
     server = ServerProcess("rewind", argv, port, log_dir / f"stream-cost-{port}.log",
                            ready_paths=("/health",), model_id=str(model), env=env)
     server.start()
@@ -97,7 +99,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/probes/stream_cost.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, action="append",
-                        help="a source tree to serve from (its src folder); repeat to alternate")
+                        help="a source tree to serve from (its src folder, then any more folders "
+                             "for the server's path, joined by ':'); repeat to alternate")
     parser.add_argument("--runs", type=int, default=3, help="server processes per tree")
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--warm-s", type=float, default=5.0)
