@@ -41,16 +41,31 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return seconds
 
 
-async def measure(base_url: str, model: str, streams: int, warm_s: float, window_s: float,
-                  pid: int) -> tuple[float, float, float]:
+def request(api: str, model: str, index: int) -> tuple[str, dict]:
+    """(path, body) of one endless streamed request of `api`."""
+    words = " ".join(f"word{(index * 7 + i) % 50}" for i in range(40))
+    if api == "completions":
+        return "/v1/completions", {"model": model, "prompt": list(range(10 + index, 74 + index)),
+                                   "max_tokens": 1_000_000, "temperature": 0.0, "stream": True,
+                                   "logit_bias": EOS_BAN}
+    if api == "chat":
+        return "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": words}],
+            "max_tokens": 1_000_000, "temperature": 0.0, "stream": True, "logit_bias": EOS_BAN}
+    return "/v1/messages", {"model": model, "messages": [{"role": "user", "content": words}],
+                            "max_tokens": 1_000_000, "temperature": 0.0, "stream": True,
+                            "logit_bias": EOS_BAN}
+
+
+async def measure(base_url: str, model: str, api: str, streams: int, warm_s: float,
+                  window_s: float, pid: int) -> tuple[float, float, float]:
     """(chunks a second, the main thread's CPU seconds, every thread's) over the window."""
     counts = [0] * streams
 
     async def one(client: httpx.AsyncClient, index: int) -> None:
-        body = {"model": model, "prompt": list(range(10 + index, 74 + index)),
-                "max_tokens": 1_000_000, "temperature": 0.0, "stream": True,
-                "logit_bias": EOS_BAN}
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as answer:
+        path, body = request(api, model, index)
+        async with client.stream("POST", f"{base_url}{path}", json=body) as answer:
+            answer.raise_for_status()
             async for line in answer.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     counts[index] += 1
@@ -71,7 +86,7 @@ async def measure(base_url: str, model: str, streams: int, warm_s: float, window
     return chunks / elapsed, main, every
 
 
-def run_once(src: Path, model: Path, streams: int, warm_s: float, window_s: float,
+def run_once(src: Path, model: Path, api: str, streams: int, warm_s: float, window_s: float,
              log_dir: Path) -> dict[str, float]:
     from rewind.bench.harness import LOOPBACK, ServerProcess, free_port
 
@@ -86,8 +101,8 @@ def run_once(src: Path, model: Path, streams: int, warm_s: float, window_s: floa
     server.start()
     try:
         server.wait_ready(timeout=300)
-        rate, main, every = asyncio.run(measure(server.base_url, str(model), streams, warm_s,
-                                                window_s, server.pid))
+        rate, main, every = asyncio.run(measure(server.base_url, str(model), api, streams,
+                                                warm_s, window_s, server.pid))
     finally:
         server.stop()
     chunks = rate * window_s
@@ -103,6 +118,11 @@ def main() -> int:
                              "for the server's path, joined by ':'); repeat to alternate")
     parser.add_argument("--runs", type=int, default=3, help="server processes per tree")
     parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--api", choices=["completions", "chat", "messages"],
+                        default="completions",
+                        help="/v1/completions (token ids), /v1/chat/completions or /v1/messages "
+                             "(Anthropic's): the chat routes run the reasoning / tool-call "
+                             "parser on every token")
     parser.add_argument("--warm-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=8.0)
     args = parser.parse_args()
@@ -111,13 +131,14 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="rewind-stream-cost-"))
     model = build_tiny_model("llama", work / "tiny-llama")
-    print(f"{args.streams} streams, tiny llama, window {args.window_s:.0f} s after "
+    print(f"{args.streams} streams of {args.api}, tiny llama, window {args.window_s:.0f} s after "
           f"{args.warm_s:.0f} s; CPU from /proc per thread")
     print("| run | tree | chunks/s | main thread us/chunk | all threads us/chunk |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for run in range(1, args.runs + 1):
         for tree in trees:
-            row = run_once(tree, model, args.streams, args.warm_s, args.window_s, work)
+            row = run_once(tree, model, args.api, args.streams, args.warm_s, args.window_s,
+                           work)
             print(f"| {run} | {tree} | {row['chunks_per_s']:.0f} | "
                   f"{row['main_us_per_chunk']:.1f} | {row['all_us_per_chunk']:.1f} |",
                   flush=True)
