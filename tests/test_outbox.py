@@ -93,7 +93,7 @@ def test_a_closed_loop_cancels_its_readers() -> None:
 
 
 def test_a_stream_keeps_alive_only_when_idle() -> None:
-    """Events 10 ms apart get no keep-alive at 0.25 s; a 0.8 s silence gets some; the stream
+    """Events 10 ms apart get no keep-alive at 0.5 s; a 1.6 s silence gets some; the stream
     ends with the FinishEvent."""
     handle = RequestHandle("r", threading.Event(), lambda: None)
 
@@ -102,14 +102,14 @@ def test_a_stream_keeps_alive_only_when_idle() -> None:
         for i in range(10):
             handle._deliver(TokenEvent(token=i, text=str(i)))
             time.sleep(0.01)
-        time.sleep(0.8)
+        time.sleep(1.6)
         handle._deliver(FinishEvent(reason="length", usage=Usage()))
 
     async def read() -> list:
         started = threading.Event()
         producer = threading.Thread(target=engine_side, args=(started,))
         seen = []
-        stream = handle.stream(0.25)
+        stream = handle.stream(0.5)
         producer.start()
         started.set()
         async for event in stream:
@@ -122,7 +122,7 @@ def test_a_stream_keeps_alive_only_when_idle() -> None:
     assert tokens == list(range(10)) and isinstance(seen[-1], FinishEvent)
     first_idle = seen.index(None)
     assert first_idle >= 10  # none while tokens flowed
-    assert 1 <= seen.count(None) <= 4
+    assert 1 <= seen.count(None) <= 5
 
 
 def test_the_engine_hands_a_steps_events_over_together(tiny_loaded) -> None:
