@@ -138,7 +138,7 @@ def test_on_cuda_a_views_attention_is_the_kernel_with_the_views_length(tiny_mode
 
     calls: list[tuple[int, list[int]]] = []
 
-    def definition(queries, key_buffer, value_buffer, length, starts, scale):
+    def definition(queries, key_buffer, value_buffer, length, starts, scale, bounds_memo=None):
         length = int(length.item())
         calls.append((length, starts.tolist()))
         return mx.concatenate([mx.fast.scaled_dot_product_attention(

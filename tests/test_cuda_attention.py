@@ -121,8 +121,8 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
 
     starts = mx.array([0, 1, 77, 499, 300], mx.int32)
     expected = masked(length, starts)
-    # 500 keys: one block per (row, key-value head), spans of 256 (2) and a
-    # combine, spans of 64 (8)
+    # 500 keys: one block per (row, key-value head), spans of at least 256 (2) and a
+    # combine, spans of at least 64
     for keys_per_span in (1 << 20, 256, 64):
         got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span)
         assert got.shape == q.shape and got.dtype == mx.bfloat16
@@ -228,6 +228,46 @@ def test_a_rows_bits_do_not_depend_on_its_padding_or_neighbours(keys_per_span: i
         padding + 300, mx.array([0, padding, 50]), 0.125, keys_per_span)
     assert np.array_equal(np.array(batched[1:2].astype(mx.float32)),
                           np.array(alone.astype(mx.float32)))
+
+
+@cuda
+def test_a_lone_rows_keys_are_spread_over_spans_of_its_own_size() -> None:
+    """One row of 1,100 keys is cut into spans by its own key count (one block per key-value
+    head would leave most of the GPU idle): MLX's answer, and the same bits from an integer
+    length, from the device's length in a larger buffer, and beside a row of 6,000 keys (whose
+    own spans are larger, and which launches more)."""
+    rng = np.random.default_rng(5)
+    own = 1100
+    q = mx.array(rng.standard_normal((1, 32, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
+    k = rng.standard_normal((1, 8, own, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 8, own, 64)).astype(np.float32)
+    keys, values = mx.array(k).astype(mx.bfloat16), mx.array(v).astype(mx.bfloat16)
+    alone = cuda_attention.decode_attention(q, keys, values, own, mx.array([0]), 0.125)
+    expected = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), scale=0.125)
+    np.testing.assert_allclose(np.array(alone.astype(mx.float32)), np.array(expected),
+                               atol=2e-2, rtol=2e-2)
+    capacity = 6000
+    big_k = np.zeros((2, 8, capacity, 64), np.float32)
+    big_v = np.zeros((2, 8, capacity, 64), np.float32)
+    big_k[0], big_v[0] = rng.standard_normal((8, capacity, 64)), rng.standard_normal((8, capacity, 64))
+    padding = capacity - own
+    big_k[1, :, padding:], big_v[1, :, padding:] = k[0], v[0]
+    batched = cuda_attention.decode_attention(
+        mx.concatenate([q * 2, q]), mx.array(big_k).astype(mx.bfloat16),
+        mx.array(big_v).astype(mx.bfloat16), capacity, mx.array([0, padding]), 0.125)
+    on_device = cuda_attention.decode_attention(
+        q, mx.array(big_k[1:, :, padding:]).astype(mx.bfloat16),
+        mx.array(big_v[1:, :, padding:]).astype(mx.bfloat16), mx.array([own]), mx.array([0]),
+        0.125)
+    for other in (batched[1:2], on_device):
+        assert np.array_equal(np.array(other.astype(mx.float32)),
+                              np.array(alone.astype(mx.float32)))
+    # and one span per key-value head (the kernel before spans were sized by the row) agrees
+    one_block = cuda_attention.decode_attention(q, keys, values, own, mx.array([0]), 0.125,
+                                                keys_per_span=1 << 20)
+    np.testing.assert_allclose(np.array(one_block.astype(mx.float32)),
+                               np.array(alone.astype(mx.float32)), atol=2e-2, rtol=2e-2)
 
 
 @cuda

@@ -65,25 +65,52 @@ from rewind.engine.segment import RowCaches, Segment
 log = logging.getLogger(__name__)
 
 
+class StepPositions:
+    """What every layer's view of one step derives from the step's `starts` and `length`, built
+    once for all of them: the slots a scatter writes, the RoPE offsets, the attention kernel's
+    bounds. Each layer deriving its own costs kernels a layer in every step (a scatter copies
+    broadcast indices to contiguous ones inside its kernel, out of the trace's sight, and
+    mx.compile merges no array constants): ~300 kernels a one-stream Llama-3.2-1B step on an
+    H100 (decode-profile-h100-159a5d2)."""
+
+    def __init__(self, starts: mx.array, length: mx.array) -> None:
+        self.starts, self.length = starts, length
+        self.offset = length - starts
+        self.filled = length + 1
+        self._slots: dict[tuple[int, ...], mx.array] = {}
+        # rewind.kernels.cuda_attention's bounds arrays, by (capacity, spans, positions)
+        self.bounds: dict[tuple[int, int, int], mx.array] = {}
+
+    def slots(self, shape: tuple[int, ...]) -> mx.array:
+        got = self._slots.get(shape)
+        if got is None:
+            got = self._slots[shape] = mx.contiguous(
+                mx.broadcast_to(self.length.reshape(1, 1, 1, 1), shape))
+        return got
+
+
 class DecodeView:
     """One layer's batch cache as a fixed-shape decode step sees it: `keys`/`values` are the
     whole buffers [B, H, capacity, D], `length` [1] the slot the step's key goes to, `starts`
-    [B] each row's first key (its left padding). All device arrays."""
+    [B] each row's first key (its left padding). All device arrays; `shared` holds what the
+    layers of one step derive from them alike."""
 
     # rewind.kernels.cuda_attention takes its keys from the view by this mark
     fixed_capacity = True
 
-    def __init__(self, keys: mx.array, values: mx.array, starts: mx.array, length: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, starts: mx.array, length: mx.array,
+                 shared: StepPositions | None = None):
         self.keys, self.values, self.starts, self.length = keys, values, starts, length
+        self.shared = shared if shared is not None else StepPositions(starts, length)
 
     @property
     def offset(self) -> mx.array:
         """Each row's position of the step's token (RoPE), as BatchKVCache's offset."""
-        return self.length - self.starts
+        return self.shared.offset
 
     def filled(self) -> mx.array:
         """Slots in use once the step's key is written."""
-        return self.length + 1
+        return self.shared.filled
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
@@ -92,9 +119,10 @@ class DecodeView:
         # backend launches that dynamic copy over the whole buffer (copy_gg_dynamic_nd: 3.65 ms
         # of a 32-row step's 8 ms of GPU time, Llama-3.2-1B shape on an H100) where the
         # scatter's threads cover only the new keys.
-        slots = mx.broadcast_to(self.length.reshape(1, 1, 1, 1), keys.shape)
+        slots = self.shared.slots(tuple(keys.shape))
         self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, slots, values, axis=2)
+        self.values = mx.put_along_axis(self.values, self.shared.slots(tuple(values.shape)),
+                                        values, axis=2)
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None,
@@ -138,10 +166,11 @@ class CompiledDecode:
               starts: mx.array, length: mx.array, *arrays: mx.array) -> list[mx.array]:
         runs[0] += 1  # Python runs only while MLX traces: once per new shape
         caches: list[Any] = []
+        shared = StepPositions(starts, length)
         at = 0
         for count in layout:
             if count == _KV:
-                caches.append(DecodeView(arrays[at], arrays[at + 1], starts, length))
+                caches.append(DecodeView(arrays[at], arrays[at + 1], starts, length, shared))
                 at += 2
             else:  # linear attention's state: mlx-lm's own class, fixed-shape already
                 layer = ArraysCache(count)

@@ -8,9 +8,11 @@ batched matrix-vector product, a softmax, a second product (`gemv_batched` was 4
 attention at 32 rows of 1,152 keys 0.61 ms against 0.32 ms unmasked, both measured there).
 
 This kernel reads each row's keys from its first real slot, so padding costs nothing. One
-thread block per (row, key-value head) and span of KEYS_PER_SPAN keys counted from the row's
-first key (one block per row and head when every row fits one span; else a second kernel joins
-the spans' partial sums in order, so that one long row still fills the GPU), WARPS warps. A
+thread block per (row, key-value head) and span of keys counted from the row's first key (one
+block per row and head when every row fits one span; else a second kernel joins the spans'
+partial sums in order, so that a few rows still fill the GPU), WARPS warps. A row's keys are
+cut into at most MAX_SPANS spans of at least KEYS_PER_SPAN keys, a size taken from that row's
+own key count. A
 key is shared by D / VEC lanes, each loading VEC elements of it (16 bytes of bf16 where it can),
 so a warp takes 32 / (D / VEC) keys at once: warp w takes the span's keys from w times that, a
 warp's stride further each time, and loads its next keys before it uses these. Each key and
@@ -24,9 +26,8 @@ the batch (D a multiple of 32, up to 256).
 What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one contiguous
 [B, Hkv, capacity, D] buffer each of the queries' dtype, Hq a multiple of Hkv, no sinks, no
 sliding window. A row with no key gets zeros. Anything else goes to MLX (`_attention` below
-decides). The spans' partial sums are scratch of B x Hq x spans x (D + 2) floats a layer (a
-compiled step counts spans over the whole buffer: 64 rows of 32 heads of 128 in a 131,072-slot
-buffer would take 0.5 GB for a moment). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
+decides). The spans' partial sums are scratch of B x Hq x spans x (D + 2) floats a layer, at
+most MAX_SPANS spans (64 rows of 32 heads of 128: 34 MB for a moment). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
 attention for every step (read at each call).
 """
 
@@ -41,15 +42,20 @@ from rewind import env
 from rewind.kernels import cuda_rows, prompt_shapes
 
 WARPS = 8  # warps per block: keys of a span split 8 ways
-# Keys per block. A fixed count, not a fixed number of blocks: how a row's keys are split then
-# depends on that row alone, never on the batch (the split-size rule of batch-invariant
-# decoding). Short contexts take one block per (row, key-value head) and no combine.
+# Keys per block, at least. A row's spans are sized from its own key count (at most MAX_SPANS
+# of them, each at least this), never from the batch: how a row's keys are split depends on
+# that row alone (the split-size rule of batch-invariant decoding). Until 2026-12-07 the span
+# was this fixed count, so a lone row of 1,100 keys ran in two blocks a key-value head: 16
+# blocks on a 132-SM H100, 52 us a layer, 0.89 ms of a one-stream Llama-3.2-1B step's 2.2 ms of
+# GPU time (decode-profile-h100-159a5d2, the compiled step, which always takes this kernel).
 # 1,024: with keys shared by lanes (f1d3081, H100, benchmarks/probes/sdpa_mask_cost.py), summed
 # over seven cases of Llama-3.2-1B heads 0.67 ms against 0.79 for spans of 256 (32 rows of
 # 4,096 keys 0.238 / 0.258, one block 0.187; MLX unmasked 0.102); Qwen 3.5's 0.58 either way,
 # where one block a head left a lone row of 32,768 keys at 0.204 against 0.071 in spans. With
 # 33dadea's loop: 32 rows of 4,096 keys 0.176-0.184 ms, one block 0.188, spans of 256 0.193.
-KEYS_PER_SPAN = 1024
+KEYS_PER_SPAN = 128
+# Spans a row's keys are cut into, at most (the grid's spans: the combine reads them all).
+MAX_SPANS = 16
 # Elements of a key each lane loads (None: _elements_per_lane's rule). D / this many lanes
 # share a key, so a warp takes 32 / (D / this) keys at once: 8 elements of Llama-3.2-1B's
 # 64-wide heads are one 16-byte load a lane and four keys a warp. The first kernel's lane held
@@ -126,9 +132,12 @@ _BODY = """
     // never a slot after the buffer
     const int total = min(length[0] - (POS - 1 - b % POS), (int)capacity);
     const int first = min(max(starts[kv_row], 0), total);  // never a slot outside the keys
-    // spans are counted from the row's first key, so padding never moves a key to another span
-    const int lo = SPLIT ? first + span * CHUNK : first;
-    const int hi = SPLIT ? min(lo + CHUNK, total) : total;
+    // spans are counted from the row's first key, so padding never moves a key to another
+    // span, and their size is the row's own: at least CHUNK keys, at most MAX_SPANS of them
+    const int row_keys = total - first;
+    const int per_span = max(CHUNK, ((row_keys + MAX_SPANS - 1) / MAX_SPANS + 31) / 32 * 32);
+    const int lo = SPLIT ? first + span * per_span : first;
+    const int hi = SPLIT ? min(lo + per_span, total) : total;
     const float softmax_scale = scale[0];
     // every row starts a multiple of 16 bytes past the buffers' start when they are aligned
     const bool wide = ((reinterpret_cast<size_t>(k) | reinterpret_cast<size_t>(v)) & 15) == 0;
@@ -370,15 +379,19 @@ def available() -> bool:
 def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.array,
                      length: int | mx.array, starts: mx.array, scale: float,
                      keys_per_span: int = KEYS_PER_SPAN,
-                     elements_per_lane: int | None = ELEMENTS_PER_LANE) -> mx.array:
+                     elements_per_lane: int | None = ELEMENTS_PER_LANE,
+                     max_spans: int = MAX_SPANS,
+                     bounds_memo: dict[tuple[int, int, int], mx.array] | None = None
+                     ) -> mx.array:
     """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
 
     queries [B, Hq, P, D]; key_buffer / value_buffer [B, Hkv, capacity, D] with capacity >=
     length; starts [B] integers. Position p of P (the last P tokens of a row, a drafted row's
     check) takes keys [starts[b], length - (P - 1 - p)), each position as a row of its own: its
     bits are those of a one-token call at that length. `length` may be a one-element array (a
-    compiled step keeps it on the device; the kernel clamps it to the capacity). Raises
-    ValueError for shapes the kernel does not take."""
+    compiled step keeps it on the device; the kernel clamps it to the capacity), and then
+    `bounds_memo` a dict the layers of one step share, so that they share the kernel's bounds
+    array too. Raises ValueError for shapes the kernel does not take."""
     batch, query_heads, positions, dim = queries.shape
     if not 1 <= positions <= MAX_POSITIONS:
         raise ValueError(f"1 to {MAX_POSITIONS} query tokens per row, got {positions}")
@@ -396,6 +409,8 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"starts {starts.shape} for {batch} rows")
     if keys_per_span < 32 or keys_per_span % WARPS:
         raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
+    if max_spans < 1:
+        raise ValueError(f"max_spans {max_spans}: at least 1")
     vec = (_elements_per_lane(dim, query_heads // kv_heads) if elements_per_lane is None
            else elements_per_lane)
     if not _lanes_fit(dim, vec):
@@ -405,12 +420,17 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         if length.size != 1:
             raise ValueError(f"length: one element, got shape {length.shape}")
         # the grid is fixed when the call is made: spans for the whole buffer (those past a
-        # row's last key find nothing and weigh 0)
-        spans = -(-capacity // keys_per_span)
-        bounds = mx.concatenate([length.reshape(1).astype(mx.int32),
-                                 mx.array([capacity, spans, positions], mx.int32)])
+        # row's last key find nothing and weigh 0). A row needs at most ceil(its keys /
+        # keys_per_span) spans and at most max_spans.
+        spans = min(max_spans, -(-capacity // keys_per_span))
+        memo = {} if bounds_memo is None else bounds_memo
+        bounds = memo.get((capacity, spans, positions))
+        if bounds is None:
+            bounds = memo[(capacity, spans, positions)] = mx.concatenate(
+                [length.reshape(1).astype(mx.int32),
+                 mx.array([capacity, spans, positions], mx.int32)])
     elif positions <= length <= capacity:
-        spans = -(-length // keys_per_span)
+        spans = min(max_spans, -(-length // keys_per_span))
         bounds = mx.array([length, capacity, spans, positions], mx.int32)  # a small upload
     else:
         raise ValueError(f"length {length} of capacity {capacity}")
@@ -424,7 +444,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
                 ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span),
-                ("VEC", vec)]
+                ("MAX_SPANS", max_spans), ("VEC", vec)]
     threads = 32 * WARPS
     rows = batch * positions
     if spans == 1:
@@ -525,7 +545,8 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
             # a compiled decode step's view (rewind.engine.compiled_decode): the whole buffer,
             # its length on the device
             return decode_attention(queries, cache.keys, cache.values, cache.filled(),
-                                    cache.starts, scale)
+                                    cache.starts, scale,
+                                    bounds_memo=getattr(getattr(cache, "shared", None), "bounds", None))
         layout = _padded_layout(cache, keys, mask) if queries.shape[2] == 1 else None
         if layout is not None and _kernel_takes(queries, cache):
             length, starts = layout
