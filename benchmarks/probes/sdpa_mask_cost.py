@@ -46,11 +46,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python benchmarks/probes/sdpa_mask_cost.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--llama-only", action="store_true",
+                        help="Llama-3.2-1B's heads only (half the time)")
     args = parser.parse_args()
     from rewind.kernels.cuda_attention import available, decode_attention
 
     rows = []
-    for heads, kv_heads, dim in ((32, 8, 64), (8, 2, 256)):
+    for heads, kv_heads, dim in ((32, 8, 64),) + (() if args.llama_only else ((8, 2, 256),)):
         # the last three: long contexts with few rows, where one block per (row, key-value
         # head) leaves most of the GPU idle
         for batch, length in ((1, 1100), (8, 1152), (32, 1152), (32, 4096),
