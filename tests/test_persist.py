@@ -128,6 +128,39 @@ def test_an_idle_store_writes_its_index_without_waiting_for_more_records(tmp_pat
         store.close()
 
 
+def test_no_unindexed_changes_means_the_index_on_disk_lists_every_record(tmp_path):
+    """What a supervisor (or the kill -9 test) reads before it kills: 0 unindexed changes must
+    mean the index file lists every record written so far. A snapshot counted its changes as
+    indexed before its file was written, so a reader in that window saw 0 and a kill then lost
+    the records (a restart found an index without them and emptied the data file)."""
+    store = ScratchStore(tmp_path, 64 << 20, persist=True, snapshot_records=1,
+                         snapshot_seconds=1e9)
+    seen: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            stats = store.stats()
+            if stats["unindexed_changes"] or stats["queued"]:
+                continue
+            index = persist.read_index(tmp_path)
+            listed = 0 if index is None else len(index.entries)
+            if listed < stats["records_written"]:
+                seen.append((listed, stats["records_written"]))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for i in range(120):
+            assert store.put(keyed(i), None, record_of(64, i))
+            assert store.flush(30)
+    finally:
+        stop.set()
+        watcher.join()
+        store.close()
+    assert seen == []
+
+
 def test_a_foreign_or_old_index_is_set_aside(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="rewind.cache.store")
     store = ScratchStore(tmp_path, 1 << 20, persist=True)

@@ -107,6 +107,9 @@ class ScratchStore:
         self._index: StoreIndex | None = None  # set while this process owns the folder
         self._notes: dict[Key, bytes] = {}
         self._changes = 0  # index changes since the last snapshot
+        # changes taken by a snapshot whose index file is still being written: a kill -9 now
+        # loses them as much as those not yet taken
+        self._changes_writing = 0
         self._io = io or FileIO()
         self._fault_logged: dict[str, float] = {}  # kind -> when it was last logged
         self.budget_bytes = budget_bytes
@@ -336,7 +339,8 @@ class ScratchStore:
                 "last_error": self.last_error,
                 "persistent": self.persistent,
                 # Index changes not yet in the index file: records a kill -9 now would lose.
-                "unindexed_changes": self._changes if self.persistent else 0,
+                "unindexed_changes": (self._changes + self._changes_writing
+                                      if self.persistent else 0),
                 **self._counts,
             }
 
@@ -352,15 +356,20 @@ class ScratchStore:
                 if self._fd < 0:
                     return False
                 taken = index.take(self._lru, self._slots, self._notes, self._free.end)
-                self._changes = 0
+                writing, self._changes = self._changes, 0
+                self._changes_writing += writing
             try:
                 index.write(taken)
             except OSError as error:
                 with self._lock:
+                    self._changes_writing -= writing
+                    # still unindexed: the writer's next idle snapshot tries again
+                    self._changes += writing
                     self._fault("snapshot_errors", f"cannot write the index in {self.folder}: "
                                 f"{error}")
                 return False
             with self._lock:
+                self._changes_writing -= writing
                 self._counts["snapshots"] += 1
             return True
 
