@@ -250,7 +250,8 @@ def test_a_lone_rows_keys_are_spread_over_spans_of_its_own_size() -> None:
     capacity = 6000
     big_k = np.zeros((2, 8, capacity, 64), np.float32)
     big_v = np.zeros((2, 8, capacity, 64), np.float32)
-    big_k[0], big_v[0] = rng.standard_normal((8, capacity, 64)), rng.standard_normal((8, capacity, 64))
+    big_k[0] = rng.standard_normal((8, capacity, 64))
+    big_v[0] = rng.standard_normal((8, capacity, 64))
     padding = capacity - own
     big_k[1, :, padding:], big_v[1, :, padding:] = k[0], v[0]
     batched = cuda_attention.decode_attention(

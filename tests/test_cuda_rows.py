@@ -70,7 +70,8 @@ def test_attention_positions_have_the_bits_of_one_token_calls(heads, kv_heads, d
     keys = mx.random.normal((1, kv_heads, capacity, dim)).astype(mx.bfloat16)
     values = mx.random.normal((1, kv_heads, capacity, dim)).astype(mx.bfloat16)
     starts = mx.zeros((1,), mx.int32)
-    for length in (20, 1030, 2500):  # one span; several (cuda_attention.KEYS_PER_SPAN, MAX_SPANS)
+    # one span; several (cuda_attention.KEYS_PER_SPAN, MAX_SPANS)
+    for length in (20, 1030, 2500):
         for positions in (2, 9, 17):
             queries = mx.random.normal((1, heads, positions, dim)).astype(mx.bfloat16)
             ours = cuda_attention.decode_attention(queries, keys, values, length, starts, 0.1)

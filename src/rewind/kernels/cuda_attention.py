@@ -12,8 +12,7 @@ thread block per (row, key-value head) and span of keys counted from the row's f
 block per row and head when every row fits one span; else a second kernel joins the spans'
 partial sums in order, so that a few rows still fill the GPU), WARPS warps. A row's keys are
 cut into at most MAX_SPANS spans of at least KEYS_PER_SPAN keys, a size taken from that row's
-own key count. A
-key is shared by D / VEC lanes, each loading VEC elements of it (16 bytes of bf16 where it can),
+own key count. A key is shared by D / VEC lanes, each loading VEC elements of it (16 bytes of bf16 where it can),
 so a warp takes 32 / (D / VEC) keys at once: warp w takes the span's keys from w times that, a
 warp's stride further each time, and loads its next keys before it uses these. Each key and
 value is read once for all the query heads of its group (four for Llama-3.2-1B: the kernel per
@@ -27,8 +26,8 @@ What it takes: one query token per row ([B, Hq, 1, D]), keys and values in one c
 [B, Hkv, capacity, D] buffer each of the queries' dtype, Hq a multiple of Hkv, no sinks, no
 sliding window. A row with no key gets zeros. Anything else goes to MLX (`_attention` below
 decides). The spans' partial sums are scratch of B x Hq x spans x (D + 2) floats a layer, at
-most MAX_SPANS spans (64 rows of 32 heads of 128: 34 MB for a moment). `REWIND_CUDA_ATTENTION=off` keeps MLX's masked
-attention for every step (read at each call).
+most MAX_SPANS spans (64 rows of 32 heads of 128: 34 MB for a moment).
+`REWIND_CUDA_ATTENTION=off` keeps MLX's masked attention for every step (read at each call).
 """
 
 from __future__ import annotations
@@ -48,11 +47,11 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # was this fixed count, so a lone row of 1,100 keys ran in two blocks a key-value head: 16
 # blocks on a 132-SM H100, 52 us a layer, 0.89 ms of a one-stream Llama-3.2-1B step's 2.2 ms of
 # GPU time (decode-profile-h100-159a5d2, the compiled step, which always takes this kernel).
-# 1,024: with keys shared by lanes (f1d3081, H100, benchmarks/probes/sdpa_mask_cost.py), summed
-# over seven cases of Llama-3.2-1B heads 0.67 ms against 0.79 for spans of 256 (32 rows of
-# 4,096 keys 0.238 / 0.258, one block 0.187; MLX unmasked 0.102); Qwen 3.5's 0.58 either way,
-# where one block a head left a lone row of 32,768 keys at 0.204 against 0.071 in spans. With
-# 33dadea's loop: 32 rows of 4,096 keys 0.176-0.184 ms, one block 0.188, spans of 256 0.193.
+# The fixed 1,024 had been chosen on batches (f1d3081 and 33dadea, H100, sdpa_mask_cost.py:
+# 32 rows of 4,096 keys 0.176-0.184 ms, spans of 256 0.193, one block 0.188). At least 128 keys
+# in at most 16 spans, GPU time a call through CUPTI at Llama-3.2-1B's heads (e433505): one row
+# of 1,100 keys 0.077 ms against 0.102 for the fixed 1,024 and 0.147 in one block a head; the
+# batched cases within each other's noise there (sdpa-mask-cost-gpu-times-h100-e433505.json).
 KEYS_PER_SPAN = 128
 # Spans a row's keys are cut into, at most (the grid's spans: the combine reads them all).
 MAX_SPANS = 16
@@ -545,8 +544,7 @@ def _attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: flo
             # a compiled decode step's view (rewind.engine.compiled_decode): the whole buffer,
             # its length on the device
             return decode_attention(queries, cache.keys, cache.values, cache.filled(),
-                                    cache.starts, scale,
-                                    bounds_memo=getattr(getattr(cache, "shared", None), "bounds", None))
+                                    cache.starts, scale, bounds_memo=cache.shared.bounds)
         layout = _padded_layout(cache, keys, mask) if queries.shape[2] == 1 else None
         if layout is not None and _kernel_takes(queries, cache):
             length, starts = layout
