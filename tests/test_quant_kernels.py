@@ -170,7 +170,9 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
     One row reads the stored blocks; 3 a tile of them; 7 and 37 (more than two AMX tiles of
     16, the last one part-filled) read strips on the VNNI build, through AMX where the CPU
     has it and the rule takes it, through broadcast vpdpbusd otherwise, and the stored blocks
-    in passes of 4 when strips are held back."""
+    in passes of 4 when strips are held back. On the AVX2 build 5, 7 and 32 rows meet each
+    weight tile in turn (quant.c's FEW_ROWS_MAX), 33 and 37 read claims of 32 rows a pass of 4
+    activation rows at a time."""
     rng = np.random.default_rng(13)
     matrix, cols = random_matrix(name, 37, 96, rng)
     x = rng.standard_normal((37, cols)).astype(np.float32)
@@ -186,7 +188,7 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
             native.set_amx_rule(lib, rule)
             native.set_strips_above(lib, strips_above)
             try:
-                for m in (3, 5, 7, 37):
+                for m in (3, 5, 7, 32, 33, 37):
                     np.testing.assert_array_equal(product(isa, matrix, x[:m]), alone[:m],
                                                   err_msg=f"{isa} {m} rows, AMX {rule}, "
                                                           f"strips above {strips_above}")
@@ -203,17 +205,18 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_a_rows_bits_do_not_depend_on_the_thread_count(name: str) -> None:
-    """A product of a few activation rows (decode, a drafted row's check) splits the matrix
-    into claims sized by the thread count (quant.c's rows_per_claim), one of more rows into
-    32-row claims: a row's bits may depend on neither. 4,099 rows: claims of more than 32 rows
-    at 1 to 5 threads, and tiles left part-filled where claims end."""
+    """A product of a few activation rows (decode, a drafted row's check; on the AVX2 build up
+    to 32) splits the matrix into claims sized by the thread count (quant.c's rows_per_claim),
+    one of more rows into 32-row claims: a row's bits may depend on neither. 4,099 rows:
+    claims of more than 32 rows at 1 to 5 threads, and tiles left part-filled where claims
+    end."""
     rng = np.random.default_rng(17)
     matrix, cols = random_matrix(name, 4099, 64, rng)
-    x = rng.standard_normal((6, cols)).astype(np.float32)
+    x = rng.standard_normal((32, cols)).astype(np.float32)
     for isa in ISAS:
         together = product(isa, matrix, x)
         for threads in (1, 2, 3, 5):
-            for m in (1, 2, 4):
+            for m in (1, 2, 4, 5, 32):
                 np.testing.assert_array_equal(product(isa, matrix, x[:m], threads), together[:m],
                                               err_msg=f"{isa}, {m} rows on {threads} threads")
 
