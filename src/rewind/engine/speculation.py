@@ -79,12 +79,14 @@ class StepCosts:
 # three rows with 4, 8 and 16 drafted tokens between them 48.8, 56.3 and 68.0.
 VNNI_COSTS = StepCosts(((1, 1.0), (2, 1.23), (3, 1.39), (5, 1.91), (9, 2.48), (17, 3.03)),
                        0.12)
-# The AVX2 build: a 2-core AMD EPYC (Zen 2, no AVX-512) after the decode claims of a754936
-# (benchmarks/results/verify-cost-epyc-zen2-a754936.md): 17.5, 22.2, 27.1, 44.5, 72.4 and 119.4 ms
-# for one row and k = 0..16; two plain rows 23.3 ms, four 39.2. Without VNNI an int8 product is
-# three instructions a vector (maddubs, madd, add), and at 2 threads the head is bound by them,
-# not by memory: each drafted position costs ~40% of a plain step, where on the Xeon ~15%.
-AVX2_COSTS = StepCosts(((1, 1.0), (2, 1.27), (3, 1.55), (5, 2.54), (9, 4.14), (17, 6.82)),
+# The AVX2 build: a 2-core AMD EPYC (Zen 2, no AVX-512) once products of up to 32 rows read each
+# weight tile once for all of them (benchmarks/results/verify-cost-epyc-zen2-few-rows.md):
+# 17.8, 22.2, 27.2, 40.0, 66.8 and 112.7 ms for one row and k = 0..16 (44.5, 72.4 and 119.4 for
+# k = 4, 8, 16 before, verify-cost-epyc-zen2-a754936.md); two plain rows 22.5 ms, four 38.4.
+# Without VNNI an int8 product is three instructions a vector (maddubs, madd, add), and at 2
+# threads the head is bound by them, not by memory: each drafted position costs ~35% of a plain
+# step, where on the Xeon ~15%.
+AVX2_COSTS = StepCosts(((1, 1.0), (2, 1.25), (3, 1.53), (5, 2.25), (9, 3.75), (17, 6.33)),
                        0.06)
 # A build without figures of its own (plain AVX-512), or no build (GPUs, where `auto` does not
 # draft), takes the VNNI figures.
