@@ -548,10 +548,10 @@ typedef struct {
    drafted row's check, a few rows verifying drafts together): the claim's tiles are walked
    once, each against every NR_MAX activation rows in turn while its weights are in L1, with
    the decode's claims and their prefetching. Walking the claim once per NR_MAX activation
-   rows read the weights from memory again on each pass: on a 2-core AMD EPYC (Zen 2) the
-   default model's 262k x 640 Q8_0 head took 13.1 ms for 4 rows and 20.8 ms for 5 (17.1
-   this way), 60.7 for 17 (54.6); its 2048 x 640 Q5_0 and 640 x 2048 Q4_K and Q6_K matrices,
-   which stay in cache, 5-8% less at 24 and 32 rows. */
+   rows read the weights again on each pass. On a 2-core AMD EPYC (Zen 2), alternating
+   before and after (benchmarks/results/few-rows-ab-epyc-zen2.md): a step of the default model
+   with one row and 4, 8, 16 drafted tokens 44.1, 70.3-84.4, 117-118 ms before, 37.4-39.7,
+   62.7-67.2, 107-113 after; the head alone at 5 rows 18.8 -> 17.0 ms. */
 #define FEW_ROWS_MAX 32
 #define FEW_ROWS(m) ((m) <= FEW_ROWS_MAX)
 #else
