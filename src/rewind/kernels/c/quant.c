@@ -539,7 +539,7 @@ typedef struct {
 
 #define Q_ROWS_PER_CLAIM 32
 
-/* Output rows a claim of one part takes: with more than NR_MAX activation rows (prefill),
+/* Output rows a claim of one part takes: with more than FEW_ROWS activation rows (prefill),
    Q_ROWS_PER_CLAIM, the rows a thread unpacks once and reuses across every activation row;
    with fewer, few_rows_claim's (simd.h). Which rows a claim holds does not change a row's
    result (the tiles compute each pair alike). */
@@ -609,6 +609,19 @@ static const uint8_t *claim_weights(const QJobPart *part, int64_t m, int64_t sta
 }
 
 #ifndef __AVX512F__
+/* One tile: weight rows [o, o + nw) of the part (at `w`, `wstride` bytes apart) against
+   activation rows [r0, r0 + nr), into the output. */
+static inline void run_tile(const QJob *j, const QJobPart *part, const TileFn (*tiles)[NR_MAX],
+                            const uint8_t *w, int64_t wstride, int64_t o, int nw, int64_t r0,
+                            int nr) {
+  float results[NW_TILE * NR_MAX];
+  tiles[nw > 1][nr - 1](w, wstride, part->xq + r0 * part->xq_row_bytes, part->xq_row_bytes,
+                        part->blocks, results);
+  for (int i = 0; i < nw; ++i)
+    for (int r = 0; r < nr; ++r)
+      j->y[(r0 + r) * j->ldy + part->first + o + i] = results[i * NR_MAX + r];
+}
+
 static void qmatvec_block(const void *arg, int64_t claim) {
   const QJob *j = (const QJob *)arg;
   int64_t start, end;
@@ -617,7 +630,6 @@ static void qmatvec_block(const void *arg, int64_t claim) {
   int unpacked;
   const uint8_t *W = claim_weights(part, j->m, start, end, &wstride, &unpacked);
   const TileFn(*tiles)[NR_MAX] = unpacked ? part->pre_tiles : part->tiles;
-  float results[NW_TILE * NR_MAX];
   if (j->m > NR_MAX && FEW_ROWS(j->m)) {
     /* weights outer: a tile's rows (unpacked once into this thread's strip, for the types
        that unpack ahead) meet every activation row before the next tile's are read */
@@ -628,29 +640,18 @@ static void qmatvec_block(const void *arg, int64_t claim) {
       const int nw = end - o >= NW_TILE ? NW_TILE : 1;
       const uint8_t *w = W + (o - start) * wstride;
       if (pair) part->pre_unpack(w, wstride, nw, part->blocks, pair);
-      for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
-        const int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
-        few[nw > 1][nr - 1](pair ? (const uint8_t *)pair : w, pair ? pair_stride : wstride,
-                            part->xq + r0 * part->xq_row_bytes, part->xq_row_bytes,
-                            part->blocks, results);
-        for (int i = 0; i < nw; ++i)
-          for (int r = 0; r < nr; ++r)
-            j->y[(r0 + r) * j->ldy + part->first + o + i] = results[i * NR_MAX + r];
-      }
+      for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX)
+        run_tile(j, part, few, pair ? (const uint8_t *)pair : w, pair ? pair_stride : wstride,
+                 o, nw, r0, j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX);
       o += nw;
     }
     return;
   }
   for (int64_t r0 = 0; r0 < j->m; r0 += NR_MAX) {
     const int nr = j->m - r0 < NR_MAX ? (int)(j->m - r0) : NR_MAX;
-    const uint8_t *x = part->xq + r0 * part->xq_row_bytes;
     for (int64_t o = start; o < end;) {
       const int nw = end - o >= NW_TILE ? NW_TILE : 1;
-      tiles[nw > 1][nr - 1](W + (o - start) * wstride, wstride, x, part->xq_row_bytes,
-                            part->blocks, results);
-      for (int i = 0; i < nw; ++i)
-        for (int r = 0; r < nr; ++r)
-          j->y[(r0 + r) * j->ldy + part->first + o + i] = results[i * NR_MAX + r];
+      run_tile(j, part, tiles, W + (o - start) * wstride, wstride, o, nw, r0, nr);
       o += nw;
     }
   }
