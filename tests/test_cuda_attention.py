@@ -92,6 +92,10 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, elements_per_lane=3)
     with pytest.raises(ValueError, match="unroll"):
         cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, unroll=3)
+    with pytest.raises(ValueError, match="max_spans"):  # spans are the grid's y
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, max_spans=1 << 16)
+    with pytest.raises(ValueError, match="warps"):
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, warps=3)
     with pytest.raises(ValueError, match="shared memory"):  # 16 query heads of 256 per group
         cuda_attention.decode_attention(mx.zeros((2, 16, 1, 256)), mx.zeros((2, 1, 16, 256)),
                                         mx.zeros((2, 1, 16, 256)), 8, starts, 0.1)

@@ -72,6 +72,7 @@ _ROUND_FLOATS = 128
 # query row of the grid.
 MAX_POSITIONS = 64
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (spans) and z (positions) sizes
 
 # Loads a lane's VEC elements as floats: 16-byte loads where the element type allows and the
 # buffers are aligned (WIDE, decided once per block: two copies of the loop, not a predicate on
@@ -439,9 +440,9 @@ def _lanes_fit(dim: int, vec: int) -> bool:
     return vec >= 1 and dim % vec == 0 and 32 % (dim // vec) == 0
 
 
-def _partials_bytes(group: int, dim: int) -> int:
+def _partials_bytes(group: int, dim: int, warps: int = WARPS) -> int:
     """Shared memory for the warps' partial sums: an output, a maximum and a sum per head."""
-    return 4 * WARPS * group * (dim + 2)
+    return 4 * warps * group * (dim + 2)
 
 
 def available() -> bool:
@@ -476,17 +477,17 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"queries {queries.shape} do not fit keys {key_buffer.shape}")
     if dim % 32 or dim > 256:
         raise ValueError(f"head size {dim}: a multiple of 32 up to 256")
-    if _partials_bytes(query_heads // kv_heads, dim) > _SHARED_BYTES:
+    if warps not in (2, 4, 8):
+        raise ValueError(f"warps {warps}: 2, 4 or 8 a block")
+    if _partials_bytes(query_heads // kv_heads, dim, warps) > _SHARED_BYTES:
         raise ValueError(f"{query_heads // kv_heads} query heads per key-value head of size "
                          f"{dim}: the warps' partial sums outgrow a block's shared memory")
     if starts.shape != (batch,):
         raise ValueError(f"starts {starts.shape} for {batch} rows")
-    if warps not in (2, 4, 8):  # up to WARPS: the shared memory check above counts WARPS
-        raise ValueError(f"warps {warps}: 2, 4 or 8 a block")
     if keys_per_span < 32 or keys_per_span % warps:
         raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {warps}, at least 32")
-    if max_spans < 1:
-        raise ValueError(f"max_spans {max_spans}: at least 1")
+    if not 1 <= max_spans <= _MAX_GRID_Y:
+        raise ValueError(f"max_spans {max_spans}: 1 to {_MAX_GRID_Y} (spans are the grid's y)")
     vec = (_elements_per_lane(dim, query_heads // kv_heads) if elements_per_lane is None
            else elements_per_lane)
     if not _lanes_fit(dim, vec):
