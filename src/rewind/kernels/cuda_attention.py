@@ -52,7 +52,12 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # in at most 16 spans, GPU time a call through CUPTI at Llama-3.2-1B's heads (e433505): one row
 # of 1,100 keys 0.077 ms against 0.102 for the fixed 1,024 and 0.147 in one block a head; the
 # batched cases within each other's noise there (sdpa-mask-cost-gpu-times-h100-e433505.json).
-KEYS_PER_SPAN = 128
+# With rounds of key sets (UNROLL), 8 warps take 128 of Llama's 64-wide keys a round, so a span
+# of 128 left each warp one round and nothing to load ahead: at least 256 keys a span measured
+# faster in the same process (attention_chain.py, CUPTI GPU time a layer's call, H100,
+# 2026-12-07): one row of 1,100 keys 0.021 ms against 0.042-0.048, 8 rows of 1,152 0.039 against
+# 0.059-0.069, 32 rows 0.064 against 0.086-0.088; 4,096 and 32,768 keys the same.
+KEYS_PER_SPAN = 256
 # Spans a row's keys are cut into, at most (the grid's spans: the combine reads them all).
 MAX_SPANS = 16
 # Elements of a key each lane loads (None: _elements_per_lane's rule). D / this many lanes
