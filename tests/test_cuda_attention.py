@@ -90,6 +90,12 @@ def test_shapes_the_kernel_does_not_take_raise() -> None:
         cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, keys_per_span=20)
     with pytest.raises(ValueError, match="elements_per_lane"):
         cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, elements_per_lane=3)
+    with pytest.raises(ValueError, match="unroll"):
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, unroll=3)
+    with pytest.raises(ValueError, match="max_spans"):  # spans are the grid's y
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, max_spans=1 << 16)
+    with pytest.raises(ValueError, match="warps"):
+        cuda_attention.decode_attention(q, kv, kv, 8, starts, 0.1, warps=3)
     with pytest.raises(ValueError, match="shared memory"):  # 16 query heads of 256 per group
         cuda_attention.decode_attention(mx.zeros((2, 16, 1, 256)), mx.zeros((2, 1, 16, 256)),
                                         mx.zeros((2, 1, 16, 256)), 8, starts, 0.1)
@@ -143,6 +149,13 @@ def test_kernel_gives_mlxs_masked_attention(heads: int, kv_heads: int, dim: int)
         for keys_per_span in (1 << 20, 64):
             got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span,
                                                   elements_per_lane=vec)
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected,
+                                       atol=2e-2, rtol=2e-2)
+    # every number of key sets a warp's round takes (each set one more key a lane in flight)
+    for unroll in (1, 2, 4):
+        for keys_per_span in (1 << 20, 64):
+            got = cuda_attention.decode_attention(q, k, v, length, starts, scale, keys_per_span,
+                                                  unroll=unroll)
             np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected,
                                        atol=2e-2, rtol=2e-2)
     # a short context in that buffer: one block from an integer length, the spans and their

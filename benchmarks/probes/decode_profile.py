@@ -261,7 +261,13 @@ def breakdown(steps: list[Step]) -> dict[str, Any]:
     gaps = [b.started - a.ended for a, b in zip(steps, steps[1:]) if b.started - a.ended < 0.5]
     gap_s = sum(gaps) / len(gaps) if gaps else 0.0
     cycle = step_s + gap_s
+    # a one-off (a kernel built inside the pass) shows here, where the means spread it
+    slowest = [{"step": steps.index(s), "ms": round(1e3 * (s.ended - s.started), 3),
+                "pieces_ms": {k: round(1e3 * v, 3) for k, v in s.seconds.items()},
+                "calls": dict(s.calls)}
+               for s in sorted(steps, key=lambda s: s.started - s.ended)[:3]]
     return {"steps": count, "step_ms": round(1e3 * step_s, 3),
+            "slowest_steps": slowest,
             "between_steps_ms": round(1e3 * gap_s, 3), "cycle_ms": round(1e3 * cycle, 3),
             "pieces_ms": {k: round(1e3 * v, 3) for k, v in pieces.items()},
             "pieces_share_of_step": {k: round(v / step_s, 3) for k, v in pieces.items()},

@@ -52,7 +52,12 @@ WARPS = 8  # warps per block: keys of a span split 8 ways
 # in at most 16 spans, GPU time a call through CUPTI at Llama-3.2-1B's heads (e433505): one row
 # of 1,100 keys 0.077 ms against 0.102 for the fixed 1,024 and 0.147 in one block a head; the
 # batched cases within each other's noise there (sdpa-mask-cost-gpu-times-h100-e433505.json).
-KEYS_PER_SPAN = 128
+# With rounds of key sets (UNROLL), 8 warps take 128 of Llama's 64-wide keys a round, so a span
+# of 128 left each warp one round and nothing to load ahead: at least 256 keys a span measured
+# faster in the same process (attention_chain.py, CUPTI GPU time a layer's call, H100,
+# 2026-12-07): one row of 1,100 keys 0.021 ms against 0.042-0.048, 8 rows of 1,152 0.039 against
+# 0.059-0.069, 32 rows 0.064 against 0.086-0.088; 4,096 and 32,768 keys the same.
+KEYS_PER_SPAN = 256
 # Spans a row's keys are cut into, at most (the grid's spans: the combine reads them all).
 MAX_SPANS = 16
 # Elements of a key each lane loads (None: _elements_per_lane's rule). D / this many lanes
@@ -61,10 +66,18 @@ MAX_SPANS = 16
 # D / 32 elements of one key a warp (4 bytes a lane here) and reached ~27% of the HBM bandwidth
 # at 32 rows of 4,096 keys on an H100 (benchmarks/probes/sdpa_mask_cost.py times the choices).
 ELEMENTS_PER_LANE: int | None = None
+# Sets of a warp's keys one round takes (None: _unroll's rule): every score of a round is
+# reduced before any is used, so more sets overlap more shuffle chains and rescale less often,
+# for registers (each set holds a key and a value a lane, twice over for the next round's loads).
+UNROLL: int | None = None
+# Floats a lane may hold in queries, outputs, scores and keys in flight before a round takes
+# fewer sets (ptxas: ~230 registers for Qwen 3.5's 256-wide heads at one set, no spills).
+_ROUND_FLOATS = 128
 # Query tokens a row may bring (a drafted row's check: its input and up to 16 drafts), each a
 # query row of the grid.
 MAX_POSITIONS = 64
 _SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting in
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (spans) and z (positions) sizes
 
 # Loads a lane's VEC elements as floats: 16-byte loads where the element type allows and the
 # buffers are aligned (WIDE, decided once per block: two copies of the loop, not a predicate on
@@ -112,24 +125,27 @@ __device__ __forceinline__ float rewind_exp2(float x) {
 _BODY = """
     constexpr int TPK = D / VEC;  // lanes that share a key
     constexpr int KPW = 32 / TPK;  // keys a warp takes at once
-    constexpr int STRIDE = WARPS * KPW;
+    constexpr int TAKE = KPW * UNROLL;  // keys a warp takes a round: UNROLL sets of KPW
+    constexpr int STRIDE = WARPS * TAKE;
     constexpr int PER = D / 32;  // elements a lane holds in the warps' combine
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int slot = lane / TPK;
     const int sub = lane % TPK;
-    const int spans = SPLIT ? length[2] : 1;
-    const int span = blockIdx.x % spans;
-    // b: the query row; POS query rows (a drafted row's positions) share cache row b / POS,
-    // position p's keys ending POS - 1 - p before the last (an input, not a template argument:
-    // each draft length would compile the kernel anew)
-    const int POS = length[3];
-    const int b = (blockIdx.x / spans) / HKV;
-    const int hk = (blockIdx.x / spans) % HKV;
-    const int kv_row = b / POS;
+    // the grid: (cache row, key-value head) along x, spans along y, positions along z (read
+    // from the grid, not from `length`: a load fewer to wait for before the keys' addresses)
+    const int spans = SPLIT ? gridDim.y : 1;
+    const int span = blockIdx.y;
+    // b: the query row; POS query rows (a drafted row's positions) share cache row kv_row,
+    // position p's keys ending POS - 1 - p before the last (a grid size, not a template
+    // argument: each draft length would compile the kernel anew)
+    const int POS = gridDim.z;
+    const int kv_row = blockIdx.x / HKV;
+    const int hk = blockIdx.x % HKV;
+    const int b = kv_row * POS + blockIdx.z;
     const size_t capacity = (size_t)length[1];
     // never a slot after the buffer
-    const int total = min(length[0] - (POS - 1 - b % POS), (int)capacity);
+    const int total = min(length[0] - (POS - 1 - (int)blockIdx.z), (int)capacity);
     const int first = min(max(starts[kv_row], 0), total);  // never a slot outside the keys
     // spans are counted from the row's first key, so padding never moves a key to another
     // span, and their size is the row's own: at least CHUNK keys, at most MAX_SPANS of them
@@ -167,54 +183,84 @@ _BODY = """
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[g][i] = 0.0f;
     }
-    // the keys at t (this lane's slot) into the running sums; a slot past the span holds zeros
-    // and weighs 0. The maximum is the warp's (every slot's score), so the rescale is
-    // warp-uniform and skipped when the maximum stays (a factor of exactly 1).
-    auto take = [&](const float* kc, const float* vc, bool valid) {
+    // a round's keys (this lane's slot in each of the UNROLL sets, from t) into the running
+    // sums; a key past the span holds zeros and weighs 0. Every score of the round is reduced
+    // before any is used, so the UNROLL x GROUP shuffle chains overlap (one chain at a time
+    // left the warps waiting on shuffles, ~23 us a layer for one row of 1,100 keys on an
+    // H100). The maximum is the warp's over the round's keys, so the rescale is warp-uniform
+    // and skipped when the maximum stays (a factor of exactly 1).
+    auto take = [&](const float (*kc)[VEC], const float (*vc)[VEC], int t) {
+      float s[UNROLL][GROUP];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+          float d = 0.0f;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) d += qr[g][i] * kc[u][i];
+          s[u][g] = d;
+        }
+#pragma unroll
+      for (int o = TPK / 2; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+          for (int g = 0; g < GROUP; ++g) s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], o);
+      float top[GROUP];
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        float s = 0.0f;
+        top[g] = -1e30f;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) s += qr[g][i] * kc[i];
+        for (int u = 0; u < UNROLL; ++u) {
+          if (t + u * KPW >= hi) s[u][g] = -1e30f;
+          top[g] = fmaxf(top[g], s[u][g]);
+        }
+      }
 #pragma unroll
-        for (int o = TPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (!valid) s = -1e30f;
-        float top = s;
+      for (int o = TPK; o < 32; o <<= 1)
 #pragma unroll
-        for (int o = TPK; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-        if (top > m[g]) {
-          const float correction = rewind_exp2(m[g] - top);
+        for (int g = 0; g < GROUP; ++g) top[g] = fmaxf(top[g], __shfl_xor_sync(0xffffffff, top[g], o));
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        if (top[g] > m[g]) {
+          const float correction = rewind_exp2(m[g] - top[g]);
           l[g] *= correction;
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc[g][i] *= correction;
-          m[g] = top;
+          m[g] = top[g];
         }
-        const float p = valid ? rewind_exp2(s - m[g]) : 0.0f;
-        l[g] += p;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[g][i] += p * vc[i];
+        for (int u = 0; u < UNROLL; ++u) {
+          const float p = t + u * KPW < hi ? rewind_exp2(s[u][g] - m[g]) : 0.0f;
+          l[g] += p;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[g][i] += p * vc[u][i];
+        }
       }
     };
-    // warp w takes keys [lo + w * KPW, + KPW), then STRIDE further on, in that order; the
-    // next keys load (into the other pair of rows) while these are used
+    // warp w takes keys [lo + w * TAKE, + TAKE), then STRIDE further on, in that order; the
+    // next round's keys load (into the other rows) while these are used
     auto run_keys = [&](auto wide_flag) {
       constexpr bool WIDE = decltype(wide_flag)::value;
-      float ka[VEC], va[VEC], kb[VEC], vb[VEC];
-      const int first_key = lo + warp * KPW;
-      int t = first_key + slot;
-      rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)t * D, ka, t < hi);
-      rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)t * D, va, t < hi);
+      float ka[UNROLL][VEC], va[UNROLL][VEC], kb[UNROLL][VEC], vb[UNROLL][VEC];
+      auto load = [&](float (*kd)[VEC], float (*vd)[VEC], int t) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int key = t + u * KPW;
+          rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)key * D, kd[u], key < hi);
+          rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)key * D, vd[u], key < hi);
+        }
+      };
+      const int first_key = lo + warp * TAKE;
+      load(ka, va, first_key + slot);
       for (int t0 = first_key; t0 < hi; t0 += 2 * STRIDE) {
         const int here = t0 + slot;
         const int next = here + STRIDE;
-        rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)next * D, kb, next < hi);
-        rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)next * D, vb, next < hi);
-        take(ka, va, here < hi);
+        load(kb, vb, next);
+        take(ka, va, here);
         if (t0 + STRIDE >= hi) break;  // the same for the whole warp
-        const int after = next + STRIDE;
-        rewind_load_row<InT, VEC, WIDE>(k_head + (size_t)after * D, ka, after < hi);
-        rewind_load_row<InT, VEC, WIDE>(v_head + (size_t)after * D, va, after < hi);
-        take(kb, vb, next < hi);
+        load(ka, va, next + STRIDE);
+        take(kb, vb, next);
       }
     };
     if (wide) {
@@ -278,16 +324,40 @@ _COMBINE_SOURCE = """
     const int lane = threadIdx.x & 31;
     const size_t head = blockIdx.x;
     const int spans = length[2];
+    // up to 16 spans' loads issued at once (a loop over the run-time count waited on each)
+    constexpr int CH = MAX_SPANS < 16 ? MAX_SPANS : 16;
     float top = -1e30f;
-    for (int s = 0; s < spans; ++s) top = fmaxf(top, part_m[head * spans + s]);
+    for (int s0 = 0; s0 < spans; s0 += CH) {
+      float pm[CH];
+#pragma unroll
+      for (int c = 0; c < CH; ++c) pm[c] = s0 + c < spans ? part_m[head * spans + s0 + c] : -1e30f;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) top = fmaxf(top, pm[c]);
+    }
     float sum = 0.0f;
     float o[PER];
+#pragma unroll
     for (int i = 0; i < PER; ++i) o[i] = 0.0f;
-    for (int s = 0; s < spans; ++s) {
-      const size_t at = head * spans + s;
-      const float f = part_l[at] > 0.0f ? (part_m[at] == top ? 1.0f : rewind_exp2(part_m[at] - top)) : 0.0f;
-      sum += part_l[at] * f;
-      for (int i = 0; i < PER; ++i) o[i] += part_o[at * D + lane * PER + i] * f;
+    for (int s0 = 0; s0 < spans; s0 += CH) {
+      float pm[CH], pl[CH], po[CH][PER];
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const bool in = s0 + c < spans;
+        const size_t at = head * spans + s0 + c;
+        pm[c] = in ? part_m[at] : -1e30f;
+        pl[c] = in ? part_l[at] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) po[c][i] = in ? part_o[at * D + lane * PER + i] : 0.0f;
+      }
+      // the spans in order, as one loop over them would take them
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        if (s0 + c >= spans) break;
+        const float f = pl[c] > 0.0f ? (pm[c] == top ? 1.0f : rewind_exp2(pm[c] - top)) : 0.0f;
+        sum += pl[c] * f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] += po[c][i] * f;
+      }
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     OutT* out_row = out + head * D + lane * PER;
@@ -361,14 +431,23 @@ def _elements_per_lane(dim: int, group: int) -> int:
     return max(dim // 32, 1 << (wanted.bit_length() - 1))
 
 
+def _unroll(dim: int, group: int, vec: int) -> int:
+    """4, 2 or 1 sets of keys a round: the most whose registers fit _ROUND_FLOATS (two rounds'
+    keys and values in flight, the group's queries and outputs, the round's scores)."""
+    for sets in (4, 2):
+        if 4 * sets * vec + 2 * group * vec + sets * group <= _ROUND_FLOATS:
+            return sets
+    return 1
+
+
 def _lanes_fit(dim: int, vec: int) -> bool:
     """Whether D / vec lanes share a key within a warp (the kernel's layout)."""
     return vec >= 1 and dim % vec == 0 and 32 % (dim // vec) == 0
 
 
-def _partials_bytes(group: int, dim: int) -> int:
+def _partials_bytes(group: int, dim: int, warps: int = WARPS) -> int:
     """Shared memory for the warps' partial sums: an output, a maximum and a sum per head."""
-    return 4 * WARPS * group * (dim + 2)
+    return 4 * warps * group * (dim + 2)
 
 
 def available() -> bool:
@@ -380,6 +459,8 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
                      keys_per_span: int = KEYS_PER_SPAN,
                      elements_per_lane: int | None = ELEMENTS_PER_LANE,
                      max_spans: int = MAX_SPANS,
+                     unroll: int | None = UNROLL,
+                     warps: int = WARPS,
                      bounds_memo: dict[tuple[int, int, int], mx.array] | None = None
                      ) -> mx.array:
     """softmax(scale * q @ k^T) @ v over keys [starts[b], length) of each row b.
@@ -401,20 +482,25 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
         raise ValueError(f"queries {queries.shape} do not fit keys {key_buffer.shape}")
     if dim % 32 or dim > 256:
         raise ValueError(f"head size {dim}: a multiple of 32 up to 256")
-    if _partials_bytes(query_heads // kv_heads, dim) > _SHARED_BYTES:
+    if warps not in (2, 4, 8):
+        raise ValueError(f"warps {warps}: 2, 4 or 8 a block")
+    if _partials_bytes(query_heads // kv_heads, dim, warps) > _SHARED_BYTES:
         raise ValueError(f"{query_heads // kv_heads} query heads per key-value head of size "
                          f"{dim}: the warps' partial sums outgrow a block's shared memory")
     if starts.shape != (batch,):
         raise ValueError(f"starts {starts.shape} for {batch} rows")
-    if keys_per_span < 32 or keys_per_span % WARPS:
-        raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {WARPS}, at least 32")
-    if max_spans < 1:
-        raise ValueError(f"max_spans {max_spans}: at least 1")
+    if keys_per_span < 32 or keys_per_span % warps:
+        raise ValueError(f"keys_per_span {keys_per_span}: a multiple of {warps}, at least 32")
+    if not 1 <= max_spans <= _MAX_GRID_Y:
+        raise ValueError(f"max_spans {max_spans}: 1 to {_MAX_GRID_Y} (spans are the grid's y)")
     vec = (_elements_per_lane(dim, query_heads // kv_heads) if elements_per_lane is None
            else elements_per_lane)
     if not _lanes_fit(dim, vec):
         raise ValueError(f"elements_per_lane {vec}: D / it lanes must share a key, a divisor "
                          f"of 32 (D = {dim})")
+    sets = _unroll(dim, query_heads // kv_heads, vec) if unroll is None else unroll
+    if sets not in (1, 2, 4, 8):
+        raise ValueError(f"unroll {sets}: 1, 2, 4 or 8 sets of keys a round")
     if isinstance(length, mx.array):
         if length.size != 1:
             raise ValueError(f"length: one element, got shape {length.shape}")
@@ -442,25 +528,25 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     # the capacity and the span count are inputs, not template arguments: buffers grow along a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
-                ("GROUP", query_heads // kv_heads), ("WARPS", WARPS), ("CHUNK", keys_per_span),
-                ("MAX_SPANS", max_spans), ("VEC", vec)]
-    threads = 32 * WARPS
+                ("GROUP", query_heads // kv_heads), ("WARPS", warps), ("CHUNK", keys_per_span),
+                ("MAX_SPANS", max_spans), ("VEC", vec), ("UNROLL", sets)]
+    threads = 32 * warps
     rows = batch * positions
     if spans == 1:
         out = _kernel()(
             inputs=inputs, template=template + [("SPLIT", 0)],
-            grid=(rows * kv_heads * threads, 1, 1), threadgroup=(threads, 1, 1),
+            grid=(batch * kv_heads * threads, 1, positions), threadgroup=(threads, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[dtype])[0]
     else:
         heads = rows * query_heads
         part_o, part_m, part_l = _spans_kernel()(
             inputs=inputs, template=template + [("SPLIT", 1)],
-            grid=(rows * kv_heads * spans * threads, 1, 1), threadgroup=(threads, 1, 1),
+            grid=(batch * kv_heads * threads, spans, positions), threadgroup=(threads, 1, 1),
             output_shapes=[(heads, spans, dim), (heads, spans), (heads, spans)],
             output_dtypes=[mx.float32] * 3)
         out = _combine_kernel()(
             inputs=[part_o, part_m, part_l, bounds],
-            template=[("OutT", dtype), ("D", dim)],
+            template=[("OutT", dtype), ("D", dim), ("MAX_SPANS", max_spans)],
             grid=(heads * 32, 1, 1), threadgroup=(32, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[dtype])[0]
     if positions == 1:
