@@ -41,8 +41,8 @@ stream of a Qwen 3.5 0.8B shape took as long either way within the machine's spr
 Costs to know: a new row count or capacity is traced once (a step's Python build, inside a
 serving step; rows are not bucketed), MLX keeps every trace while the runner lives, and
 settings read inside the step (REWIND_CUDA_ATTENTION, REWIND_GATED_DELTA) take effect for
-shapes traced after they change. On CUDA a view's attention is always Rewind's kernel (spans of
-1,024 keys a block, so a lone long row still fills the GPU), where the plain call gives an
+shapes traced after they change. On CUDA a view's attention is always Rewind's kernel (a row's
+keys cut into up to 16 spans, so a lone long row still fills the GPU), where the plain call gives an
 unpadded batch to MLX's fused attention, which is faster at long contexts with many rows
 (docs/HARDWARE.md).
 """
