@@ -567,8 +567,12 @@ def run(args: argparse.Namespace) -> int:
         report["pipelined"] = engine._scheduler.pipeline
         profiler = StepProfiler(engine)
         try:
-            # Warm-up: every batch size's kernels and cuDNN graphs built before timing.
-            warm = Streams(engine, make_prompts(max(streams), 64, vocab, 1), bias)
+            # Warm-up: every batch size's kernels and cuDNN graphs built before timing, and the
+            # decode checkpoints' (the prompts end 8 tokens before a 256-token block boundary,
+            # so every row checkpoints from the merged batch while it decodes: a 32-row decode
+            # checkpoint once took 3.8 s in a timed pass whose warm-up reached none,
+            # decode-profile-h100-e8faf41).
+            warm = Streams(engine, make_prompts(max(streams), 248, vocab, 1), bias)
             wait_until(lambda: engine.stats()["generated_tokens"] >= 16 * max(streams))
             warm.stop()
             for seed, rows in enumerate(streams, start=10):
