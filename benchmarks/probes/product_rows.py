@@ -16,8 +16,6 @@ second for the product at each m are printed beside it: the kernel's share of th
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -78,7 +76,7 @@ int main(void) {
 
 def issue_rate() -> tuple[float, float, float]:
     """Billions of products a second on one core for the three instruction mixes."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = native.c_compiler()
     if compiler is None:
         raise SystemExit("--issue-rate needs a C compiler")
     with tempfile.TemporaryDirectory() as scratch:

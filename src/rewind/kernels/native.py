@@ -223,12 +223,17 @@ def load_kernels() -> ctypes.CDLL | None:
     return _kernels
 
 
+def c_compiler() -> str | None:
+    """The system C compiler the kernels are built with ($CC, else cc, else gcc)."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 @functools.lru_cache(maxsize=None)
 def load_isa(isa: str) -> ctypes.CDLL | None:
     """The kernels built for `isa` (one of ISAS), or None where this CPU does not run it or they
     cannot be built. Each build is its own library, so a test can load both and compare."""
     flags = compile_flags(isa)
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = c_compiler()
     if flags is None or compiler is None or not all(p.exists() for p in SOURCES + HEADERS):
         log.info("native CPU kernels unavailable (need x86-64 AVX2/FMA and a C compiler)")
         return None
