@@ -92,6 +92,11 @@ FUSED_PROJECTIONS = Var("REWIND_FUSED_PROJECTIONS",
                         "default) with MLX's CUDA backend, off elsewhere; on (any GPU backend); "
                         "off",
                         ("auto", "on", "off"))
+FUSED_DECODE = Var("REWIND_FUSED_DECODE",
+                   "on CUDA, one row's decode step of a Llama block runs its products with what "
+                   "follows them (RoPE, residual adds, the MLP's gate) in four kernels, same bits "
+                   "(rewind.kernels.cuda_block): auto (the default) and on; off",
+                   ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
@@ -123,7 +128,7 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FAST_GELU,
+                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FUSED_DECODE, FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
@@ -180,6 +185,11 @@ def compiled_decode() -> str:
 def fused_projections() -> str:
     """auto, on or off (rewind.models.fused_projections decides what auto means)."""
     return FUSED_PROJECTIONS.get() or "auto"
+
+
+def fused_decode() -> str:
+    """auto, on or off (rewind.kernels.cuda_block: auto and on mean on with CUDA)."""
+    return FUSED_DECODE.get() or "auto"
 
 
 def fast_gelu() -> bool:

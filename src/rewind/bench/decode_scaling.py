@@ -69,8 +69,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128,
                         help="decode steps in each timed window")
     parser.add_argument("--parts", nargs="+", default=["engine", "greedy", "mlx-lm", "http"],
-                        choices=["engine", "uncompiled", "compiled", "fused", "unfused", "greedy",
-                                 "mlx-lm",
+                        choices=["engine", "uncompiled", "compiled", "fused", "unfused",
+                                 "plain-blocks", "greedy", "mlx-lm",
                                  "http", "kernels", "llama-cpp"],
                         help="engine: Rewind's Engine as served, greedy with a logit bias "
                              "against EOS; uncompiled / compiled: the same engine with "
@@ -78,7 +78,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "the engine's (one process: these machines' host speed varies "
                              "between processes); fused / unfused: another engine on the same "
                              "weights loaded with REWIND_FUSED_PROJECTIONS=on / off, each stream "
-                             "count right after the first engine's; "
+                             "count right after the first engine's; plain-blocks: another "
+                             "engine loaded with REWIND_FUSED_DECODE=off (mlx-lm's blocks for a "
+                             "lone row, not rewind.kernels.cuda_block's), likewise; "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
                              "kernels: the CUDA kernel trace (benchmarks/probes/decode_kernels.py); "
@@ -168,9 +170,11 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         save()
 
     try:
-        for part, setting in (("fused", "on"), ("unfused", "off")):
+        for part, variable, setting in (("fused", env.FUSED_PROJECTIONS, "on"),
+                                        ("unfused", env.FUSED_PROJECTIONS, "off"),
+                                        ("plain-blocks", env.FUSED_DECODE, "off")):
             if part in args.parts:
-                with env.overridden({env.FUSED_PROJECTIONS: setting}):
+                with env.overridden({variable: setting}):
                     other = build_model(name, family, overrides, work_dir)
                 entry[f"compute_{part}"] = describe_compute(other.model)
                 projections[part] = started_engine(other)

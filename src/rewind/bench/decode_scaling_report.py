@@ -50,7 +50,8 @@ def markdown(report: dict[str, Any]) -> str:
             ("uncompiled", "Rewind engine, plain decode step (EOS bias)"),
             ("compiled", "Rewind engine, compiled decode step (EOS bias)"),
             ("fused", "Rewind engine, q/k/v and gate/up fused (EOS bias)"),
-            ("unfused", "Rewind engine, q/k/v and gate/up unfused (EOS bias)"))
+            ("unfused", "Rewind engine, q/k/v and gate/up unfused (EOS bias)"),
+            ("plain-blocks", "Rewind engine, mlx-lm's blocks, REWIND_FUSED_DECODE=off (EOS bias)"))
             if any(part in parts for parts in entry["rows"].values())]
         header[2:2] = [title for _, title in settings]
         measured = any("llama.cpp" in parts for parts in entry["rows"].values())
@@ -88,7 +89,8 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{sizes.bound_tok_s(n, context, hbm):,.0f} tok/s")
         per_step = [(count, part, parts[part]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
-                    for part in ("engine", "uncompiled", "compiled", "fused", "unfused")
+                    for part in ("engine", "uncompiled", "compiled", "fused", "unfused",
+                                 "plain-blocks")
                     if part in parts and parts[part].get("per_step", {}).get("steps")]
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "

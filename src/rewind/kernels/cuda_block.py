@@ -1,0 +1,515 @@
+"""A Llama block's decode step for one row on CUDA in fewer kernels, with the same bits
+(mx.fast.cuda_kernel).
+
+Why: on a GPU a small model's decode step is bound by the host, and MLX's host cost is paid per
+kernel (~5 us each to walk, encode and launch on an H100's host: 1.35 ms of a one-stream
+Llama-3.2-1B step of ~280 kernels, whose GPU work is 1.6 ms; docs/HARDWARE.md). One row's layer
+runs 15: two norms, four products, two RoPEs, two key/value writes, the attention's two
+kernels, two residual adds and the MLP's gate. Here a product's kernel also does what follows
+it elementwise:
+
+- the q/k/v product and RoPE on the query and key heads (a warp takes a pair of a head's
+  columns, i and i + head_dim / 2, so it holds both halves RoPE rotates together);
+- the output projection and the residual add; the down projection and the residual add;
+- the gate/up product and the MLP's gate (silu(gate) * up; a warp takes gate column j and up
+  column j).
+
+Ten kernels a layer instead of fifteen. The norms stay MLX's, as do the key/value writes and
+the attention (rewind.kernels.cuda_attention).
+
+Bits: each product column is MLX's one-row product (gemv in mlx/backend/cuda/gemms/gemv.cu:
+each lane sums its N_PER-element slices of K a warp's stride apart, one fused multiply-add each
+in float, then the warp's cooperative-groups reduction; rewind.kernels.cuda_rows has the same
+loop), rounded to the weights' dtype as MLX stores it; what follows repeats MLX's own code on
+those values: rope_single's float arithmetic (mlx/backend/cuda/rope.cu), and the `Add`,
+`Sigmoid` and `Multiply` operators of MLX's device headers, which its fused elementwise
+kernels call. So a block gives the plain layer's output and cache writes bit for bit; a model's
+blocks are switched over only after one of them did, on the model's own weights, when it
+loads (`use_in_model`), and otherwise keep mlx-lm's call.
+
+What it takes: mlx-lm's llama TransformerBlock (no sliding window) whose q/k/v and gate/up
+projections run fused (rewind.models.fused_projections) over bf16/fp16 weights without a bias,
+the output and down projections likewise, RMSNorm norms, and RoPE over the whole head
+(nn.RoPE or mlx-lm's Llama3RoPE, not traditional); a call of one row and one token with a cache.
+Anything else (a batch, a prompt chunk, a drafted row's check) is mlx-lm's call. On CUDA only:
+Metal's kernels would be another source, and its per-kernel cost was not measured.
+
+REWIND_FUSED_DECODE: auto (the default) on CUDA, off, on (the same as auto: the kernels exist
+for CUDA only). Read when a step's graph is built, so a compiled step (rewind.engine.
+compiled_decode) keeps the setting it was traced with.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rewind import env
+from rewind.kernels import cuda_rows
+
+log = logging.getLogger(__name__)
+
+WARPS = 8  # warps a block (gemv's rows_per_block): each takes one unit of columns
+
+# MLX's custom kernels are compiled inside `namespace mlx::core::cu` after this header, which
+# brings the device operators MLX's own fused elementwise kernels are built from.
+_HEADER = """
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+#include <cooperative_groups/reduce.h>
+
+namespace mlx::core::cu {
+
+// COLS dot products of one activation row x with weight rows w[c], each lane summing its
+// N_PER-element slices of K a warp's stride apart in MLX's gemv order (gemv_impl: one fused
+// multiply-add an element, weight times activation, in float), then the warp's reduction.
+template <typename T, int K, int N_PER, int COLS, typename Warp>
+__device__ __forceinline__ void rewind_dots(const T* x, const T* const (&w)[COLS],
+                                            float (&sum)[COLS], const Warp& warp) {
+  const int lane = warp.thread_rank();
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) sum[c] = 0.0f;
+#pragma unroll 4
+  for (int col = N_PER * lane; col < K; col += 32 * N_PER) {
+    auto local_vec = unsafe_load_vector<N_PER>(x + col, 0);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      auto local_mat = unsafe_load_vector<N_PER>(w[c] + col, 0);
+#pragma unroll
+      for (int j = 0; j < N_PER; ++j) {
+        sum[c] += static_cast<float>(local_mat[j]) * static_cast<float>(local_vec[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    sum[c] = cooperative_groups::reduce(warp, sum[c], cooperative_groups::plus<float>{});
+  }
+}
+
+}  // namespace mlx::core::cu
+"""
+
+# The q/k/v product and RoPE. Units are pairs (i, i + HALF) of one head's columns, heads in the
+# stacked weight's order: HQ query heads, HKV key heads, HKV value heads. rope = [scale,
+# log2(base)]; with FREQS, freqs holds the RoPE's frequencies (Llama3RoPE), as MLX's
+# rope_single_freqs reads them.
+_QKV_ROPE = """
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    constexpr int HALF = HD / 2;
+    const int unit = blockIdx.x * WARPS + threadIdx.y;
+    if (unit >= (HQ + 2 * HKV) * HALF) return;
+    const int head = unit / HALF;
+    const int i = unit - head * HALF;
+    const size_t first = (size_t)head * HD + i;
+    const InT* rows[2] = {w + first * K, w + (first + HALF) * K};
+    float sum[2];
+    rewind_dots<InT, K, N_PER, 2>(x, rows, sum, warp);
+    if (warp.thread_rank() != 0) return;
+    InT out_1 = static_cast<InT>(sum[0]);
+    InT out_2 = static_cast<InT>(sum[1]);
+    if (head < HQ + HKV) {
+      // rope_single_impl (mlx/backend/cuda/rope.cu), forward, not traditional
+      float L = rope[0] * static_cast<float>(offset[0]);
+      float inv_freq;
+      if constexpr (FREQS) {
+        inv_freq = 1.0 / freqs[i];
+      } else {
+        float d = static_cast<float>(i) / static_cast<float>(HALF);
+        inv_freq = exp2f(-d * rope[1]);
+      }
+      float theta = L * inv_freq;
+      float costheta = cosf(theta);
+      float sintheta = sinf(theta);
+      float x1 = static_cast<float>(out_1);
+      float x2 = static_cast<float>(out_2);
+      float rx1 = x1 * costheta - x2 * sintheta;
+      float rx2 = x1 * sintheta + x2 * costheta;
+      out_1 = static_cast<InT>(rx1);
+      out_2 = static_cast<InT>(rx2);
+    }
+    InT* dst = head < HQ ? q : head < HQ + HKV ? k : v;
+    const int h = head < HQ ? head : head < HQ + HKV ? head - HQ : head - HQ - HKV;
+    dst[h * HD + i] = out_1;
+    dst[h * HD + i + HALF] = out_2;
+"""
+
+# A product and the residual add after it: out = res + (x @ w^T), MLX's `Add` on the rounded
+# product. COLS adjacent columns a warp.
+_PRODUCT_ADD = """
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const int unit = blockIdx.x * WARPS + threadIdx.y;
+    if (unit >= N / COLS) return;
+    const InT* rows[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) rows[c] = w + (size_t)(unit * COLS + c) * K;
+    float sum[COLS];
+    rewind_dots<InT, K, N_PER, COLS>(x, rows, sum, warp);
+    if (warp.thread_rank() != 0) return;
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      const int column = unit * COLS + c;
+      out[column] = Add{}(res[column], static_cast<InT>(sum[c]));
+    }
+"""
+
+# The gate/up product and the MLP's gate: out[j] = silu(gate[j]) * up[j], where silu(g) =
+# g * sigmoid(g), each step rounded to InT as MLX's fused kernel of mlx-lm's swiglu rounds it.
+_GATE_UP = """
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const int j = blockIdx.x * WARPS + threadIdx.y;
+    if (j >= I) return;
+    const InT* rows[2] = {w + (size_t)j * K, w + (size_t)(I + j) * K};
+    float sum[2];
+    rewind_dots<InT, K, N_PER, 2>(x, rows, sum, warp);
+    if (warp.thread_rank() != 0) return;
+    const InT gate = static_cast<InT>(sum[0]);
+    const InT up = static_cast<InT>(sum[1]);
+    const InT sigmoid = Sigmoid{}(gate);
+    const InT silu = Multiply{}(gate, sigmoid);
+    out[j] = Multiply{}(silu, up);
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _qkv_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="rewind_block_qkv_rope", input_names=["x", "w", "offset", "rope", "freqs"],
+        output_names=["q", "k", "v"], source=_QKV_ROPE, header=_HEADER)
+
+
+@functools.lru_cache(maxsize=None)
+def _product_add_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="rewind_block_product_add", input_names=["x", "w", "res"],
+        output_names=["out"], source=_PRODUCT_ADD, header=_HEADER)
+
+
+@functools.lru_cache(maxsize=None)
+def _gate_up_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="rewind_block_gate_up", input_names=["x", "w"], output_names=["out"],
+        source=_GATE_UP, header=_HEADER)
+
+
+def available() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def wanted() -> bool:
+    """REWIND_FUSED_DECODE: auto and on mean on with MLX's CUDA backend (the only one the
+    kernels exist for)."""
+    return env.fused_decode() != "off" and available()
+
+
+def _grid(units: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return (32 * -(-units // WARPS), WARPS, 1), (32, WARPS, 1)
+
+
+def _check_product(x: mx.array, weight: mx.array) -> tuple[int, int]:
+    """(K, N) of a one-row product x [..., K] @ weight^T; ValueError for what the kernels do
+    not take."""
+    if weight.ndim != 2 or x.shape[-1] != weight.shape[1] or x.size != weight.shape[1]:
+        raise ValueError(f"one row x {x.shape} does not fit weight {weight.shape}")
+    if x.dtype != weight.dtype or x.dtype not in (mx.bfloat16, mx.float16):
+        raise ValueError(f"bf16 or fp16 x and weight of one dtype, not {x.dtype} / {weight.dtype}")
+    return weight.shape[1], weight.shape[0]
+
+
+def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, int, int],
+             rope_scale: float, rope_base: float | None, freqs: mx.array | None
+             ) -> tuple[mx.array, mx.array, mx.array]:
+    """One row's x @ weight^T for the stacked q/k/v weight [(HQ + 2 HKV) * HD, K], with RoPE
+    at position `offset` ([1] int32) on the query and key heads: (q [1, HQ, 1, HD], k and v
+    [1, HKV, 1, HD]). `heads` = (HQ, HKV, HD); RoPE from `rope_base` (nn.RoPE) or from
+    `freqs` (HD / 2 frequencies, Llama3RoPE), each with `rope_scale` on the position."""
+    k, n = _check_product(x, weight)
+    query_heads, kv_heads, head_dim = heads
+    if head_dim % 2 or n != (query_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"weight {weight.shape} is not q/k/v of {heads} heads")
+    if offset.shape != (1,) or offset.dtype != mx.int32:
+        raise ValueError(f"offset: one int32, got {offset.shape} {offset.dtype}")
+    if (freqs is None) == (rope_base is None):
+        raise ValueError("RoPE from a base or from frequencies, one of them")
+    if freqs is not None and freqs.shape != (head_dim // 2,):
+        raise ValueError(f"{head_dim // 2} RoPE frequencies, got {freqs.shape}")
+    grid, threads = _grid((query_heads + 2 * kv_heads) * head_dim // 2)
+    return tuple(_qkv_kernel()(
+        inputs=[x, weight, offset, _rope_arguments(rope_scale, rope_base),
+                freqs.astype(mx.float32) if freqs is not None else _no_freqs()],
+        template=[("InT", x.dtype), ("K", k), ("N_PER", cuda_rows.elements_per_lane(k)),
+                  ("HQ", query_heads), ("HKV", kv_heads), ("HD", head_dim),
+                  ("WARPS", WARPS), ("FREQS", freqs is not None)],
+        grid=grid, threadgroup=threads,
+        output_shapes=[(1, query_heads, 1, head_dim), (1, kv_heads, 1, head_dim),
+                       (1, kv_heads, 1, head_dim)],
+        output_dtypes=[x.dtype] * 3))
+
+
+_ROPE_ARGUMENTS: dict[tuple[float, float | None], mx.array] = {}
+
+
+def _rope_arguments(scale: float, base: float | None) -> mx.array:
+    """[scale, log2(base)] as the kernel reads them, one array per RoPE (a compiled step
+    captures it once; an uncompiled one would otherwise upload it every layer and step)."""
+    got = _ROPE_ARGUMENTS.get((scale, base))
+    if got is None:
+        # MLX passes std::log2 of its float base: the float nearest log2(base)
+        got = mx.array([scale, math.log2(base) if base is not None else 0.0], mx.float32)
+        _ROPE_ARGUMENTS[(scale, base)] = got
+    return got
+
+
+@functools.lru_cache(maxsize=1)
+def _no_freqs() -> mx.array:
+    return mx.zeros((1,), mx.float32)
+
+
+def product_add(x: mx.array, weight: mx.array, residual: mx.array) -> mx.array:
+    """residual + x @ weight^T for one row: [1, 1, N], residual [..., N] of one row."""
+    k, n = _check_product(x, weight)
+    if residual.size != n or residual.dtype != x.dtype:
+        raise ValueError(f"residual {residual.shape} {residual.dtype} for {n} outputs")
+    cols = 2 if n % 2 == 0 else 1
+    grid, threads = _grid(n // cols)
+    return _product_add_kernel()(
+        inputs=[x, weight, residual],
+        template=[("InT", x.dtype), ("K", k), ("N_PER", cuda_rows.elements_per_lane(k)),
+                  ("N", n), ("COLS", cols), ("WARPS", WARPS)],
+        grid=grid, threadgroup=threads, output_shapes=[(1, 1, n)],
+        output_dtypes=[x.dtype])[0]
+
+
+def gate_up(x: mx.array, weight: mx.array) -> mx.array:
+    """silu(gate) * up for one row, gate and up the halves of x @ weight^T (the stacked
+    [2 I, K] weight): [1, 1, I]."""
+    k, n = _check_product(x, weight)
+    if n % 2:
+        raise ValueError(f"weight {weight.shape}: gate and up rows stacked, an even count")
+    grid, threads = _grid(n // 2)
+    return _gate_up_kernel()(
+        inputs=[x, weight],
+        template=[("InT", x.dtype), ("K", k), ("N_PER", cuda_rows.elements_per_lane(k)),
+                  ("I", n // 2), ("WARPS", WARPS)],
+        grid=grid, threadgroup=threads, output_shapes=[(1, 1, n // 2)],
+        output_dtypes=[x.dtype])[0]
+
+
+# ---- which blocks take it ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What a block's fused call needs beside its weights (read from the modules at each call)."""
+
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    rope_scale: float
+    rope_base: float | None  # nn.RoPE's base, or None where the RoPE has frequencies
+    dtype: Any  # the weights'
+
+
+def _plain_linear(module: Any, dtype: Any = None) -> bool:
+    return (type(module) in (nn.Linear, cuda_rows.RowsLinear) and "bias" not in module
+            and module.weight.ndim == 2 and module.weight.dtype in (mx.bfloat16, mx.float16)
+            and (dtype is None or module.weight.dtype == dtype))
+
+
+def _fused_weight(module: Any, names: tuple[str, ...], dtype: Any) -> mx.array | None:
+    """The stacked weight of `names` where they run as one product (fused_projections)."""
+    from rewind.models import fused_projections
+
+    parts = [module.get(name) if isinstance(module, dict) else None for name in names]
+    if not all(isinstance(part, fused_projections.FusedPart) for part in parts):
+        return None
+    shared = {id(part._shared) for part in parts}
+    layer = module.get(fused_projections.fused_name(names))
+    if len(shared) != 1 or layer is None or not _plain_linear(layer, dtype):
+        return None
+    if parts[0]._shared.layer is not layer:
+        return None
+    return layer.weight
+
+
+def _rope_of(attention: Any, head_dim: int) -> tuple[float, float | None] | None:
+    """(scale, base) for nn.RoPE, (1.0, None) for Llama3RoPE (its frequencies), over the whole
+    head and not traditional; None for another RoPE."""
+    rope = attention.rope
+    if getattr(rope, "dims", None) != head_dim or getattr(rope, "traditional", True):
+        return None
+    if type(rope) is nn.RoPE:
+        return float(rope.scale), float(rope.base)
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    if type(rope) is Llama3RoPE and getattr(rope, "_freqs", None) is not None \
+            and rope._freqs.shape == (head_dim // 2,):
+        return 1.0, None
+    return None
+
+
+def block_shape(block: Any) -> BlockShape | None:
+    """The block's shape where its decode call can be fused (see the module docstring)."""
+    from mlx_lm.models import llama
+
+    from rewind.kernels.rebind import computes_as
+
+    if computes_as(type(block)) is not llama.TransformerBlock or getattr(block, "use_sliding",
+                                                                        False):
+        return None
+    attention, mlp = block.self_attn, block.mlp
+    if computes_as(type(mlp)) is not llama.MLP:
+        return None
+    if not (type(block.input_layernorm) is nn.RMSNorm
+            and type(block.post_attention_layernorm) is nn.RMSNorm):
+        return None
+    o_proj, down = attention.o_proj, mlp.down_proj
+    if not _plain_linear(o_proj) or not _plain_linear(down, o_proj.weight.dtype):
+        return None
+    dtype = o_proj.weight.dtype
+    qkv = _fused_weight(attention, ("q_proj", "k_proj", "v_proj"), dtype)
+    gu = _fused_weight(mlp, ("gate_proj", "up_proj"), dtype)
+    if qkv is None or gu is None:
+        return None
+    heads, kv_heads, head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+    hidden = o_proj.weight.shape[0]
+    if (head_dim % 2 or qkv.shape != ((heads + 2 * kv_heads) * head_dim, hidden)
+            or o_proj.weight.shape != (hidden, heads * head_dim)
+            or gu.shape[1] != hidden or gu.shape[0] % 2
+            or down.weight.shape != (hidden, gu.shape[0] // 2)):
+        return None
+    rope = _rope_of(attention, head_dim)
+    if rope is None:
+        return None
+    return BlockShape(heads, kv_heads, head_dim, rope[0], rope[1], dtype)
+
+
+def _attention_function(attention: Any) -> Any:
+    """What the attention module's own call would score with: Rewind's routed kernel
+    (rewind.kernels.rebind) or mlx-lm's function."""
+    from mlx_lm.models import base
+
+    from rewind.kernels.rebind import routes
+
+    return routes(attention).get("scaled_dot_product_attention",
+                                 base.scaled_dot_product_attention)
+
+
+def fused_call(block: Any, shape: BlockShape, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    """The block's call for one row and one token, in the fused kernels (module docstring)."""
+    attention, mlp = block.self_attn, block.mlp
+    offset = cache.offset
+    if isinstance(offset, int):
+        offset = mx.array([offset], mx.int32)
+    else:  # a compiled step's view: [1] int32 already
+        if offset.shape != (1,):
+            offset = offset.reshape(1)
+        if offset.dtype != mx.int32:
+            offset = offset.astype(mx.int32)
+    rope = attention.rope
+    freqs = rope._freqs if shape.rope_base is None else None
+    normed = block.input_layernorm(x)
+    queries, keys, values = qkv_rope(
+        normed, attention.q_proj_k_proj_v_proj.weight, offset,
+        (shape.query_heads, shape.kv_heads, shape.head_dim), shape.rope_scale, shape.rope_base,
+        freqs)
+    keys, values = cache.update_and_fetch(keys, values)
+    scores = _attention_function(attention)(queries, keys, values, cache=cache,
+                                            scale=attention.scale, mask=mask)
+    # [1, HQ, 1, HD] -> [1, 1, HQ * HD]: for one row and token the transpose mlx-lm makes first
+    # moves nothing
+    h = product_add(scores.reshape(1, 1, -1), attention.o_proj.weight, x)
+    gated = gate_up(block.post_attention_layernorm(h), mlp.gate_proj_up_proj.weight)
+    return product_add(gated, mlp.down_proj.weight, h)
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type) -> type:
+    """A subclass of the block's class whose call takes the fused kernels where it can."""
+    if cls not in _FUSED_CLASSES:
+        from rewind.kernels.rebind import computes_as, register_stand_in
+
+        def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+            shape = self.__dict__.get("_rewind_block_shape")
+            if (shape is not None and cache is not None and x.ndim == 3
+                    and x.shape[0] == 1 and x.shape[1] == 1 and x.dtype == shape.dtype
+                    and not cuda_rows.rows_alone_on() and wanted()):
+                return fused_call(self, shape, x, mask, cache)
+            return super(fused, self).__call__(x, mask, cache)
+
+        fused = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": __name__})
+        register_stand_in(fused, computes_as(cls))  # the same bits
+        _FUSED_CLASSES[cls] = fused
+    return _FUSED_CLASSES[cls]
+
+
+def _same_as_plain(block: Any, shape: BlockShape) -> str | None:
+    """None where the block's fused call gives its plain call's output and cache writes bit
+    for bit (random activations, a cache of 300 keys, at three positions); else what differed."""
+    from mlx_lm.models.cache import KVCache
+
+    hidden = block.self_attn.o_proj.weight.shape[0]
+    dtype = block.self_attn.o_proj.weight.dtype
+    key = mx.random.key(27)
+    for position in (300, 301, 4097):
+        caches = []
+        for _ in range(2):
+            cache = KVCache()
+            prefix = (1, shape.kv_heads, position, shape.head_dim)
+            cache.update_and_fetch(mx.random.normal(prefix, key=key).astype(dtype),
+                                   mx.random.normal(prefix, key=mx.random.key(3)).astype(dtype))
+            caches.append(cache)
+        x = (mx.random.normal((1, 1, hidden), key=mx.random.key(position)) * 4).astype(dtype)
+        plain = block(x, None, caches[0])
+        fused = fused_call(block, shape, x, None, caches[1])
+        mx.eval(plain, fused, caches[0].keys, caches[1].keys)
+        for what, a, b in (("output", plain, fused),
+                           ("keys", caches[0].keys[..., position, :],
+                            caches[1].keys[..., position, :]),
+                           ("values", caches[0].values[..., position, :],
+                            caches[1].values[..., position, :])):
+            if not mx.array_equal(a, b).item():
+                diff = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+                return f"{what} at position {position} (largest difference {diff:.3g})"
+    return None
+
+
+def use_in_model(model: Any) -> int:
+    """Give every block of `model` that can take the fused call the class that takes it, once
+    the first such block gave its plain call's bits on this device; returns how many blocks.
+    Nothing changes off CUDA, with REWIND_FUSED_DECODE=off, or where the check fails (logged)."""
+    if not wanted():
+        return 0
+    blocks = [(module, shape) for _, module in model.named_modules()
+              if (shape := block_shape(module)) is not None]
+    if not blocks:
+        return 0
+    first, shape = blocks[0]
+    try:
+        differs = _same_as_plain(first, shape)
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not build: mlx-lm's call
+        differs = f"{type(exc).__name__}: {exc}"
+    if differs is not None:
+        log.warning("rewind.kernels.cuda_block: the fused decode block differs from mlx-lm's "
+                    "(%s); decode keeps mlx-lm's blocks", differs)
+        return 0
+    for block, block_shape_ in blocks:
+        block.__class__ = _fused_class(type(block))
+        block.__dict__["_rewind_block_shape"] = block_shape_
+    return len(blocks)
+
+
+def fused_in(model: Any) -> int:
+    """How many of `model`'s blocks take the fused call."""
+    return sum(1 for _, module in model.named_modules()
+               if "_rewind_block_shape" in getattr(module, "__dict__", {}))
