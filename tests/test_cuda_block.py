@@ -41,7 +41,7 @@ def _blocks(tmp_path: Path, overrides: dict | None = None, family: str = "llama"
 def test_a_llama_block_with_fused_projections_is_taken(tmp_path: Path) -> None:
     blocks = _blocks(tmp_path)
     shapes = {cuda_block.block_shape(block) for block in blocks}
-    assert shapes == {cuda_block.BlockShape(4, 2, 64, 1.0, 10000.0, mx.bfloat16)}
+    assert shapes == {cuda_block.BlockShape(4, 2, 64, 1.0, 10000.0, mx.bfloat16, True)}
 
 
 @pytest.mark.parametrize("overrides, dtype, fuse", [
@@ -81,6 +81,14 @@ def test_off_cuda_or_switched_off_no_block_changes(tmp_path: Path) -> None:
     assert cuda_block.fused_in(model) == 0 or cuda_block.available()
 
 
+@pytest.mark.parametrize("size, layout", [
+    (64, (64, 1, 8)), (512, (64, 1, 8)), (1000, (128, 1, 8)), (2048, (128, 2, 8)),
+    (3072, (128, 3, 8)), (1536, (64, 3, 8)), (8192, (128, 8, 8)), (8200, None)])
+def test_norm_layout_is_mlxs_dispatch(size: int, layout) -> None:
+    """rms_norm.cu's dispatch_num_chunks for bf16 rows (16-byte loads of 8 elements)."""
+    assert cuda_block.norm_layout(size, mx.bfloat16) == layout
+
+
 def test_bad_calls_raise_before_any_kernel() -> None:
     x = mx.zeros((1, 1, 64), mx.bfloat16)
     offset = mx.array([3], mx.int32)
@@ -105,6 +113,8 @@ def test_bad_calls_raise_before_any_kernel() -> None:
         cuda_block.gate_up(x, mx.zeros((8, 64), mx.float32))
     with pytest.raises(ValueError, match="even"):
         cuda_block.gate_up(x, mx.zeros((9, 64), mx.bfloat16))
+    with pytest.raises(ValueError, match="norm weight"):
+        cuda_block.gate_up(x, mx.zeros((8, 64), mx.bfloat16), (mx.ones((32,), mx.bfloat16), 1e-5))
 
 
 def _cache(shape: cuda_block.BlockShape, keys: int, seed: int) -> KVCache:
@@ -119,9 +129,13 @@ def _cache(shape: cuda_block.BlockShape, keys: int, seed: int) -> KVCache:
 
 @cuda
 @pytest.mark.parametrize("overrides", [None, LLAMA3_ROPE, ODD_WIDTHS])
-def test_a_fused_block_gives_mlx_lms_bits(tmp_path: Path, overrides) -> None:
+@pytest.mark.parametrize("fuse_norms", [True, False])
+def test_a_fused_block_gives_mlx_lms_bits(tmp_path: Path, overrides, fuse_norms: bool,
+                                          monkeypatch) -> None:
     """Output and the cache's new key and value, against the block's own call, at positions
-    from the first to past a buffer's growth, every layer."""
+    from the first to past a buffer's growth, every layer; with the norms computed inside the
+    products and with MLX's."""
+    monkeypatch.setattr(cuda_block, "FUSE_NORMS", fuse_norms)
     for index, block in enumerate(_blocks(tmp_path, overrides)):
         shape = cuda_block.block_shape(block)
         assert shape is not None

@@ -5,25 +5,28 @@ Why: on a GPU a small model's decode step is bound by the host, and MLX's host c
 kernel (~5 us each to walk, encode and launch on an H100's host: 1.35 ms of a one-stream
 Llama-3.2-1B step of ~280 kernels, whose GPU work is 1.6 ms; docs/HARDWARE.md). One row's layer
 runs 15: two norms, four products, two RoPEs, two key/value writes, the attention's two
-kernels, two residual adds and the MLP's gate. Here a product's kernel also does what follows
-it elementwise:
+kernels, two residual adds and the MLP's gate. Here a product's kernel also does what comes
+before or after it elementwise:
 
-- the q/k/v product and RoPE on the query and key heads (a warp takes a pair of a head's
-  columns, i and i + head_dim / 2, so it holds both halves RoPE rotates together);
+- the q/k/v product: the norm before it and RoPE on the query and key heads after it (a warp
+  takes a pair of a head's columns, i and i + head_dim / 2, so it holds both halves RoPE
+  rotates together);
 - the output projection and the residual add; the down projection and the residual add;
-- the gate/up product and the MLP's gate (silu(gate) * up; a warp takes gate column j and up
-  column j).
+- the gate/up product: the norm before it and the MLP's gate after it (silu(gate) * up; a warp
+  takes gate column j and up column j).
 
-Ten kernels a layer instead of fifteen. The norms stay MLX's, as do the key/value writes and
-the attention (rewind.kernels.cuda_attention).
+A norm inside a product costs each warp a pass over the row (2-16 KB, from the cache) to repeat
+rms_norm_small's reduction in its order before its own columns. Eight kernels a layer instead
+of fifteen; the key/value writes and the attention (rewind.kernels.cuda_attention) stay as
+they were.
 
 Bits: each product column is MLX's one-row product (gemv in mlx/backend/cuda/gemms/gemv.cu:
 each lane sums its N_PER-element slices of K a warp's stride apart, one fused multiply-add each
 in float, then the warp's cooperative-groups reduction; rewind.kernels.cuda_rows has the same
-loop), rounded to the weights' dtype as MLX stores it; what follows repeats MLX's own code on
-those values: rope_single's float arithmetic (mlx/backend/cuda/rope.cu), and the `Add`,
-`Sigmoid` and `Multiply` operators of MLX's device headers, which its fused elementwise
-kernels call. So a block gives the plain layer's output and cache writes bit for bit; a model's
+loop), rounded to the weights' dtype as MLX stores it; what follows and precedes repeats MLX's
+own code on those values: rms_norm_small's (mlx/backend/cuda/rms_norm.cu), rope_single's float
+arithmetic (rope.cu), and the `Add`, `Sigmoid` and `Multiply` operators of MLX's device
+headers, which its fused elementwise kernels call. So a block gives the plain layer's output and cache writes bit for bit; a model's
 blocks are switched over only after one of them did, on the model's own weights, when it
 loads (`use_in_model`), and otherwise keep mlx-lm's call.
 
@@ -56,6 +59,10 @@ from rewind.kernels import cuda_rows
 log = logging.getLogger(__name__)
 
 WARPS = 8  # warps a block (gemv's rows_per_block): each takes one unit of columns
+# The norms before the q/k/v and gate/up products computed inside them (each warp repeats the
+# normalizer's reduction in rms_norm_small's order), eight kernels a layer instead of ten.
+# Probes set it False to time the ten.
+FUSE_NORMS = True
 
 # MLX's custom kernels are compiled inside `namespace mlx::core::cu` after this header, which
 # brings the device operators MLX's own fused elementwise kernels are built from.
@@ -69,15 +76,25 @@ namespace mlx::core::cu {
 // COLS dot products of one activation row x with weight rows w[c], each lane summing its
 // N_PER-element slices of K a warp's stride apart in MLX's gemv order (gemv_impl: one fused
 // multiply-add an element, weight times activation, in float), then the warp's reduction.
-template <typename T, int K, int N_PER, int COLS, typename Warp>
+// With NORM, x is the residual stream and each element is first normalized as MLX's
+// rms_norm_small writes it: norm_w[e] * T(float(x[e]) * normalizer).
+template <typename T, int K, int N_PER, int COLS, bool NORM, typename Warp>
 __device__ __forceinline__ void rewind_dots(const T* x, const T* const (&w)[COLS],
-                                            float (&sum)[COLS], const Warp& warp) {
+                                            float (&sum)[COLS], const Warp& warp,
+                                            const T* norm_w, float normalizer) {
   const int lane = warp.thread_rank();
 #pragma unroll
   for (int c = 0; c < COLS; ++c) sum[c] = 0.0f;
 #pragma unroll 4
   for (int col = N_PER * lane; col < K; col += 32 * N_PER) {
     auto local_vec = unsafe_load_vector<N_PER>(x + col, 0);
+    if constexpr (NORM) {
+      auto local_w = unsafe_load_vector<N_PER>(norm_w + col, 0);
+#pragma unroll
+      for (int j = 0; j < N_PER; ++j) {
+        local_vec[j] = local_w[j] * static_cast<T>(static_cast<float>(local_vec[j]) * normalizer);
+      }
+    }
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {
       auto local_mat = unsafe_load_vector<N_PER>(w[c] + col, 0);
@@ -91,6 +108,51 @@ __device__ __forceinline__ void rewind_dots(const T* x, const T* const (&w)[COLS
   for (int c = 0; c < COLS; ++c) {
     sum[c] = cooperative_groups::reduce(warp, sum[c], cooperative_groups::plus<float>{});
   }
+}
+
+// rms_norm_small's normalizer (mlx/backend/cuda/rms_norm.cu) for one row of K elements, in
+// one warp: lane l stands for the block's threads l, l + 32, ... (BLOCK of them), each summing
+// the squares of its CHUNKS vectors of READS elements (zeros past K, as its bounded loads give)
+// in the kernel's order; each group of 32 is reduced as its warp reduces, then the warps' sums
+// as the block's second reduction does.
+template <typename T, int K, int BLOCK, int CHUNKS, int READS, typename Warp>
+__device__ __forceinline__ float rewind_rms_normalizer(const T* x, float eps, const Warp& warp) {
+  constexpr int GROUPS = BLOCK / 32;
+  const int lane = warp.thread_rank();
+  float part[GROUPS];
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) {
+    const int index = lane + 32 * g;
+    float normalizer = 0;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; i++) {
+      const int offset = BLOCK * i + index;
+      AlignedVector<T, READS> xn;
+      if constexpr (K == BLOCK * CHUNKS * READS) {
+        xn = unsafe_load_vector<READS>(x, offset);
+      } else {
+#pragma unroll
+        for (int j = 0; j < READS; ++j) xn[j] = offset * READS + j < K ? x[offset * READS + j] : T(0);
+      }
+#pragma unroll
+      for (int j = 0; j < READS; ++j) {
+        float t = static_cast<float>(xn[j]);
+        normalizer += t * t;
+      }
+    }
+    part[g] = cooperative_groups::reduce(warp, normalizer, cooperative_groups::plus<float>{});
+  }
+  float normalizer = part[0];
+  if constexpr (GROUPS > 1) {
+    float mine = 0.0f;  // the block reduction's init_value, T{}
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+      if (lane == g) mine = part[g];
+    }
+    normalizer = cooperative_groups::reduce(warp, mine, cooperative_groups::plus<float>{});
+  }
+  uint32_t axis_size = K;
+  return rsqrt(normalizer / axis_size + eps);
 }
 
 }  // namespace mlx::core::cu
@@ -110,8 +172,13 @@ _QKV_ROPE = """
     const int i = unit - head * HALF;
     const size_t first = (size_t)head * HD + i;
     const InT* rows[2] = {w + first * K, w + (first + HALF) * K};
+    float normalizer = 0.0f;
+    if constexpr (NORM) {
+      normalizer = rewind_rms_normalizer<InT, K, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
+          x, eps[0], warp);
+    }
     float sum[2];
-    rewind_dots<InT, K, N_PER, 2>(x, rows, sum, warp);
+    rewind_dots<InT, K, N_PER, 2, NORM>(x, rows, sum, warp, norm_w, normalizer);
     if (warp.thread_rank() != 0) return;
     InT out_1 = static_cast<InT>(sum[0]);
     InT out_2 = static_cast<InT>(sum[1]);
@@ -152,7 +219,7 @@ _PRODUCT_ADD = """
 #pragma unroll
     for (int c = 0; c < COLS; ++c) rows[c] = w + (size_t)(unit * COLS + c) * K;
     float sum[COLS];
-    rewind_dots<InT, K, N_PER, COLS>(x, rows, sum, warp);
+    rewind_dots<InT, K, N_PER, COLS, false>(x, rows, sum, warp, x, 0.0f);
     if (warp.thread_rank() != 0) return;
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {
@@ -169,8 +236,13 @@ _GATE_UP = """
     const int j = blockIdx.x * WARPS + threadIdx.y;
     if (j >= I) return;
     const InT* rows[2] = {w + (size_t)j * K, w + (size_t)(I + j) * K};
+    float normalizer = 0.0f;
+    if constexpr (NORM) {
+      normalizer = rewind_rms_normalizer<InT, K, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
+          x, eps[0], warp);
+    }
     float sum[2];
-    rewind_dots<InT, K, N_PER, 2>(x, rows, sum, warp);
+    rewind_dots<InT, K, N_PER, 2, NORM>(x, rows, sum, warp, norm_w, normalizer);
     if (warp.thread_rank() != 0) return;
     const InT gate = static_cast<InT>(sum[0]);
     const InT up = static_cast<InT>(sum[1]);
@@ -183,7 +255,8 @@ _GATE_UP = """
 @functools.lru_cache(maxsize=None)
 def _qkv_kernel() -> Any:
     return mx.fast.cuda_kernel(
-        name="rewind_block_qkv_rope", input_names=["x", "w", "offset", "rope", "freqs"],
+        name="rewind_block_qkv_rope",
+        input_names=["x", "w", "offset", "rope", "freqs", "norm_w", "eps"],
         output_names=["q", "k", "v"], source=_QKV_ROPE, header=_HEADER)
 
 
@@ -197,7 +270,8 @@ def _product_add_kernel() -> Any:
 @functools.lru_cache(maxsize=None)
 def _gate_up_kernel() -> Any:
     return mx.fast.cuda_kernel(
-        name="rewind_block_gate_up", input_names=["x", "w"], output_names=["out"],
+        name="rewind_block_gate_up", input_names=["x", "w", "norm_w", "eps"],
+        output_names=["out"],
         source=_GATE_UP, header=_HEADER)
 
 
@@ -225,13 +299,49 @@ def _check_product(x: mx.array, weight: mx.array) -> tuple[int, int]:
     return weight.shape[1], weight.shape[0]
 
 
+def norm_layout(size: int, dtype: Any) -> tuple[int, int, int] | None:
+    """(threads, chunks, elements a load) of MLX's rms_norm_small for rows of `size` (its
+    dispatch_num_chunks, rms_norm.cu), or None where MLX runs its other norm kernel."""
+    reads = 16 // dtype.size
+    if size > reads * 128 * 8:
+        return None
+    vectors = -(-size // reads)
+    if size <= reads * 64:
+        return 64, 1, reads
+    if vectors % 128 == 0 and vectors // 128 <= 8:
+        return 128, vectors // 128, reads
+    if vectors % 64 == 0 and vectors // 64 <= 8:
+        return 64, vectors // 64, reads
+    return 128, -(-vectors // 128), reads
+
+
+Norm = tuple[mx.array, float]  # an RMSNorm's weight [K] and eps
+
+
+def _norm_inputs(x: mx.array, k: int, norm: Norm | None
+                 ) -> tuple[list[mx.array], list[tuple[str, Any]]]:
+    """The kernels' norm_w and eps inputs and NORM template arguments for `norm` (None: the
+    caller's x is already normalized)."""
+    if norm is None:
+        return [_dummy(x.dtype), _dummy(mx.float32)], [
+            ("NORM", False), ("NORM_BLOCK", 32), ("NORM_CHUNKS", 1), ("NORM_READS", 1)]
+    weight, eps = norm
+    layout = norm_layout(k, x.dtype)
+    if weight.shape != (k,) or weight.dtype != x.dtype or layout is None:
+        raise ValueError(f"norm weight {weight.shape} {weight.dtype} for rows of {k} {x.dtype}")
+    block, chunks, reads = layout
+    return [weight, _float_array(eps)], [
+        ("NORM", True), ("NORM_BLOCK", block), ("NORM_CHUNKS", chunks), ("NORM_READS", reads)]
+
+
 def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, int, int],
-             rope_scale: float, rope_base: float | None, freqs: mx.array | None
-             ) -> tuple[mx.array, mx.array, mx.array]:
+             rope_scale: float, rope_base: float | None, freqs: mx.array | None,
+             norm: Norm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One row's x @ weight^T for the stacked q/k/v weight [(HQ + 2 HKV) * HD, K], with RoPE
     at position `offset` ([1] int32) on the query and key heads: (q [1, HQ, 1, HD], k and v
     [1, HKV, 1, HD]). `heads` = (HQ, HKV, HD); RoPE from `rope_base` (nn.RoPE) or from
-    `freqs` (HD / 2 frequencies, Llama3RoPE), each with `rope_scale` on the position."""
+    `freqs` (HD / 2 frequencies, Llama3RoPE), each with `rope_scale` on the position. With
+    `norm`, x is first normalized as mx.fast.rms_norm(x, *norm) would."""
     k, n = _check_product(x, weight)
     query_heads, kv_heads, head_dim = heads
     if head_dim % 2 or n != (query_heads + 2 * kv_heads) * head_dim:
@@ -242,13 +352,15 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
         raise ValueError("RoPE from a base or from frequencies, one of them")
     if freqs is not None and freqs.shape != (head_dim // 2,):
         raise ValueError(f"{head_dim // 2} RoPE frequencies, got {freqs.shape}")
+    norm_inputs, norm_template = _norm_inputs(x, k, norm)
     grid, threads = _grid((query_heads + 2 * kv_heads) * head_dim // 2)
     return tuple(_qkv_kernel()(
         inputs=[x, weight, offset, _rope_arguments(rope_scale, rope_base),
-                freqs.astype(mx.float32) if freqs is not None else _no_freqs()],
+                freqs.astype(mx.float32) if freqs is not None else _dummy(mx.float32),
+                *norm_inputs],
         template=[("InT", x.dtype), ("K", k), ("N_PER", cuda_rows.elements_per_lane(k)),
                   ("HQ", query_heads), ("HKV", kv_heads), ("HD", head_dim),
-                  ("WARPS", WARPS), ("FREQS", freqs is not None)],
+                  ("WARPS", WARPS), ("FREQS", freqs is not None), *norm_template],
         grid=grid, threadgroup=threads,
         output_shapes=[(1, query_heads, 1, head_dim), (1, kv_heads, 1, head_dim),
                        (1, kv_heads, 1, head_dim)],
@@ -269,9 +381,21 @@ def _rope_arguments(scale: float, base: float | None) -> mx.array:
     return got
 
 
-@functools.lru_cache(maxsize=1)
-def _no_freqs() -> mx.array:
-    return mx.zeros((1,), mx.float32)
+_FLOATS: dict[float, mx.array] = {}
+
+
+def _float_array(value: float) -> mx.array:
+    """[value] as float32, one array per value (an RMSNorm's eps)."""
+    got = _FLOATS.get(value)
+    if got is None:
+        got = _FLOATS[value] = mx.array([value], mx.float32)
+    return got
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(dtype: Any) -> mx.array:
+    """An input a kernel variant does not read."""
+    return mx.zeros((1,), dtype)
 
 
 def product_add(x: mx.array, weight: mx.array, residual: mx.array) -> mx.array:
@@ -289,17 +413,18 @@ def product_add(x: mx.array, weight: mx.array, residual: mx.array) -> mx.array:
         output_dtypes=[x.dtype])[0]
 
 
-def gate_up(x: mx.array, weight: mx.array) -> mx.array:
+def gate_up(x: mx.array, weight: mx.array, norm: Norm | None = None) -> mx.array:
     """silu(gate) * up for one row, gate and up the halves of x @ weight^T (the stacked
-    [2 I, K] weight): [1, 1, I]."""
+    [2 I, K] weight): [1, 1, I]. With `norm`, x is first normalized (see qkv_rope)."""
     k, n = _check_product(x, weight)
     if n % 2:
         raise ValueError(f"weight {weight.shape}: gate and up rows stacked, an even count")
+    norm_inputs, norm_template = _norm_inputs(x, k, norm)
     grid, threads = _grid(n // 2)
     return _gate_up_kernel()(
-        inputs=[x, weight],
+        inputs=[x, weight, *norm_inputs],
         template=[("InT", x.dtype), ("K", k), ("N_PER", cuda_rows.elements_per_lane(k)),
-                  ("I", n // 2), ("WARPS", WARPS)],
+                  ("I", n // 2), ("WARPS", WARPS), *norm_template],
         grid=grid, threadgroup=threads, output_shapes=[(1, 1, n // 2)],
         output_dtypes=[x.dtype])[0]
 
@@ -316,6 +441,7 @@ class BlockShape:
     rope_scale: float
     rope_base: float | None  # nn.RoPE's base, or None where the RoPE has frequencies
     dtype: Any  # the weights'
+    norms: bool  # whether the products can compute the norms before them (norm_layout)
 
 
 def _plain_linear(module: Any, dtype: Any = None) -> bool:
@@ -389,7 +515,10 @@ def block_shape(block: Any) -> BlockShape | None:
     rope = _rope_of(attention, head_dim)
     if rope is None:
         return None
-    return BlockShape(heads, kv_heads, head_dim, rope[0], rope[1], dtype)
+    norms = all(norm.weight.shape == (hidden,) and norm.weight.dtype == dtype
+                for norm in (block.input_layernorm, block.post_attention_layernorm))
+    return BlockShape(heads, kv_heads, head_dim, rope[0], rope[1], dtype,
+                      norms and norm_layout(hidden, dtype) is not None)
 
 
 def _attention_function(attention: Any) -> Any:
@@ -416,18 +545,20 @@ def fused_call(block: Any, shape: BlockShape, x: mx.array, mask: Any, cache: Any
             offset = offset.astype(mx.int32)
     rope = attention.rope
     freqs = rope._freqs if shape.rope_base is None else None
-    normed = block.input_layernorm(x)
+    before, after = block.input_layernorm, block.post_attention_layernorm
+    fuse_norms = FUSE_NORMS and shape.norms
     queries, keys, values = qkv_rope(
-        normed, attention.q_proj_k_proj_v_proj.weight, offset,
+        x if fuse_norms else before(x), attention.q_proj_k_proj_v_proj.weight, offset,
         (shape.query_heads, shape.kv_heads, shape.head_dim), shape.rope_scale, shape.rope_base,
-        freqs)
+        freqs, (before.weight, before.eps) if fuse_norms else None)
     keys, values = cache.update_and_fetch(keys, values)
     scores = _attention_function(attention)(queries, keys, values, cache=cache,
                                             scale=attention.scale, mask=mask)
     # [1, HQ, 1, HD] -> [1, 1, HQ * HD]: for one row and token the transpose mlx-lm makes first
     # moves nothing
     h = product_add(scores.reshape(1, 1, -1), attention.o_proj.weight, x)
-    gated = gate_up(block.post_attention_layernorm(h), mlp.gate_proj_up_proj.weight)
+    gated = gate_up(h if fuse_norms else after(h), mlp.gate_proj_up_proj.weight,
+                    (after.weight, after.eps) if fuse_norms else None)
     return product_add(gated, mlp.down_proj.weight, h)
 
 
