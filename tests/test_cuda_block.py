@@ -41,15 +41,14 @@ def _blocks(tmp_path: Path, overrides: dict | None = None, family: str = "llama"
 def test_a_llama_block_with_fused_projections_is_taken(tmp_path: Path) -> None:
     blocks = _blocks(tmp_path)
     shapes = {cuda_block.block_shape(block) for block in blocks}
-    assert shapes == {cuda_block.BlockShape(4, 2, 64, 1.0, 10000.0, mx.bfloat16, True)}
+    assert shapes == {cuda_block.BlockShape(
+        mx.bfloat16, True, cuda_block.AttentionShape(4, 2, 64, 1.0, 10000.0))}
 
 
 @pytest.mark.parametrize("overrides, dtype, fuse", [
-    (None, "bfloat16", False),  # q/k/v as three products
+    (None, "bfloat16", False),  # gate/up as two products
     (None, "float32", True),  # the kernels are for bf16/fp16 weights
-    ({"attention_bias": True}, "bfloat16", True),
     ({"mlp_bias": True}, "bfloat16", True),
-    ({"rope_traditional": True}, "bfloat16", True),
 ])
 def test_blocks_it_does_not_compute_keep_mlx_lms_call(tmp_path: Path, overrides, dtype: str,
                                                       fuse: bool) -> None:
@@ -57,15 +56,25 @@ def test_blocks_it_does_not_compute_keep_mlx_lms_call(tmp_path: Path, overrides,
     assert all(cuda_block.block_shape(block) is None for block in blocks)
 
 
-def test_other_families_are_not_taken(tmp_path: Path) -> None:
-    for family in ("gemma3", "qwen3_5"):
-        blocks = _blocks(tmp_path / family, family=family)
-        assert all(cuda_block.block_shape(block) is None for block in blocks)
+@pytest.mark.parametrize("overrides", [{"attention_bias": True}, {"rope_traditional": True}])
+def test_an_attention_it_does_not_compute_leaves_the_mlp_half_fused(tmp_path: Path,
+                                                                    overrides) -> None:
+    for block in _blocks(tmp_path, overrides):
+        shape = cuda_block.block_shape(block)
+        assert shape is not None and shape.attention is None and shape.norms
+
+
+def test_qwen_3_5s_layers_fuse_their_mlp_half_and_gemma_3s_nothing(tmp_path: Path) -> None:
+    qwen = [cuda_block.block_shape(block) for block in _blocks(tmp_path / "q", family="qwen3_5")]
+    assert qwen and all(shape is not None and shape.attention is None for shape in qwen)
+    gemma = _blocks(tmp_path / "g", family="gemma3")
+    assert all(cuda_block.block_shape(block) is None for block in gemma)
 
 
 def test_llama3_rope_is_taken_with_its_frequencies(tmp_path: Path) -> None:
     shape = cuda_block.block_shape(_blocks(tmp_path, LLAMA3_ROPE)[0])
-    assert shape is not None and shape.rope_base is None and shape.rope_scale == 1.0
+    assert shape is not None and shape.attention is not None
+    assert shape.attention.rope_base is None and shape.attention.rope_scale == 1.0
 
 
 def test_off_cuda_or_switched_off_no_block_changes(tmp_path: Path) -> None:
@@ -117,13 +126,12 @@ def test_bad_calls_raise_before_any_kernel() -> None:
         cuda_block.gate_up(x, mx.zeros((8, 64), mx.bfloat16), (mx.ones((32,), mx.bfloat16), 1e-5))
 
 
-def _cache(shape: cuda_block.BlockShape, keys: int, seed: int) -> KVCache:
+def _cache(shape: cuda_block.AttentionShape, keys: int, seed: int, dtype) -> KVCache:
     cache = KVCache()
     if keys:
         size = (1, shape.kv_heads, keys, shape.head_dim)
-        cache.update_and_fetch(mx.random.normal(size, key=mx.random.key(seed)).astype(shape.dtype),
-                               mx.random.normal(size, key=mx.random.key(seed + 1))
-                               .astype(shape.dtype))
+        cache.update_and_fetch(mx.random.normal(size, key=mx.random.key(seed)).astype(dtype),
+                               mx.random.normal(size, key=mx.random.key(seed + 1)).astype(dtype))
     return cache
 
 
@@ -138,10 +146,11 @@ def test_a_fused_block_gives_mlx_lms_bits(tmp_path: Path, overrides, fuse_norms:
     monkeypatch.setattr(cuda_block, "FUSE_NORMS", fuse_norms)
     for index, block in enumerate(_blocks(tmp_path, overrides)):
         shape = cuda_block.block_shape(block)
-        assert shape is not None
-        hidden = block.self_attn.o_proj.weight.shape[0]
+        assert shape is not None and shape.attention is not None
+        hidden = block.mlp.down_proj.weight.shape[0]
         for position in (0, 1, 255, 256, 1000):
-            plain_cache, fused_cache = _cache(shape, position, index), _cache(shape, position, index)
+            plain_cache = _cache(shape.attention, position, index, shape.dtype)
+            fused_cache = _cache(shape.attention, position, index, shape.dtype)
             x = (mx.random.normal((1, 1, hidden), key=mx.random.key(position)) * 3).astype(
                 mx.bfloat16)
             plain = block(x, None, plain_cache)
@@ -151,6 +160,18 @@ def test_a_fused_block_gives_mlx_lms_bits(tmp_path: Path, overrides, fuse_norms:
                                   fused_cache.keys[..., :position + 1, :]).item()
             assert mx.array_equal(plain_cache.values[..., :position + 1, :],
                                   fused_cache.values[..., :position + 1, :]).item()
+
+
+@cuda
+@pytest.mark.parametrize("family, overrides", [("qwen3_5", None), ("llama", {"attention_bias": True})])
+@pytest.mark.parametrize("fuse_norms", [True, False])
+def test_a_fused_mlp_half_gives_mlx_lms_bits(tmp_path: Path, family: str, overrides,
+                                             fuse_norms: bool, monkeypatch) -> None:
+    monkeypatch.setattr(cuda_block, "FUSE_NORMS", fuse_norms)
+    for block in _blocks(tmp_path, overrides, family=family):
+        shape = cuda_block.block_shape(block)
+        assert shape is not None and shape.attention is None
+        assert cuda_block._same_as_plain(block, shape) is None
 
 
 @cuda
@@ -184,10 +205,11 @@ def _greedy(loaded, prompts: list[list[int]], max_tokens: int) -> list[list[tupl
 
 
 @cuda
-def test_the_engine_answers_as_without_it(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_engine_answers_as_without_it(tmp_path: Path, monkeypatch, family: str) -> None:
     """The path the server runs: lone rows decode through the compiled step, whose trace takes
     the fused blocks; tokens and log-probabilities are the same bits as with it off."""
-    folder = build_tiny_model("llama", tmp_path / "model", dtype="bfloat16")
+    folder = build_tiny_model(family, tmp_path / "model", dtype="bfloat16")
     fused_calls = []
     original = cuda_block.fused_call
 

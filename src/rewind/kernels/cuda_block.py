@@ -1,10 +1,10 @@
-"""A Llama block's decode step for one row on CUDA in fewer kernels, with the same bits
+"""A decoder block's decode step for one row on CUDA in fewer kernels, with the same bits
 (mx.fast.cuda_kernel).
 
 Why: on a GPU a small model's decode step is bound by the host, and MLX's host cost is paid per
 kernel (~5 us each to walk, encode and launch on an H100's host: 1.35 ms of a one-stream
-Llama-3.2-1B step of ~280 kernels, whose GPU work is 1.6 ms; docs/HARDWARE.md). One row's layer
-runs 15: two norms, four products, two RoPEs, two key/value writes, the attention's two
+Llama-3.2-1B step of ~280 kernels, whose GPU work is 1.6 ms; docs/HARDWARE.md). One row's Llama
+layer runs 15: two norms, four products, two RoPEs, two key/value writes, the attention's two
 kernels, two residual adds and the MLP's gate. Here a product's kernel also does what comes
 before or after it elementwise:
 
@@ -16,9 +16,12 @@ before or after it elementwise:
   takes gate column j and up column j).
 
 A norm inside a product costs each warp a pass over the row (2-16 KB, from the cache) to repeat
-rms_norm_small's reduction in its order before its own columns. Eight kernels a layer instead
-of fifteen; the key/value writes and the attention (rewind.kernels.cuda_attention) stay as
-they were.
+rms_norm_small's reduction in its order before its own columns. Eight kernels a Llama layer
+instead of fifteen; the key/value writes and the attention (rewind.kernels.cuda_attention)
+stay as they were. Blocks of the same form whose attention is not a Llama one (Qwen 2 and 3,
+Qwen 3.5's linear and full attention layers, a Llama with biased projections) keep mlx-lm's
+attention call and fuse their MLP half: the norm, the gate/up product and the gate, the down
+product and the residual add in two kernels instead of five.
 
 Bits: each product column is MLX's one-row product (gemv in mlx/backend/cuda/gemms/gemv.cu:
 each lane sums its N_PER-element slices of K a warp's stride apart, one fused multiply-add each
@@ -26,16 +29,20 @@ in float, then the warp's cooperative-groups reduction; rewind.kernels.cuda_rows
 loop), rounded to the weights' dtype as MLX stores it; what follows and precedes repeats MLX's
 own code on those values: rms_norm_small's (mlx/backend/cuda/rms_norm.cu), rope_single's float
 arithmetic (rope.cu), and the `Add`, `Sigmoid` and `Multiply` operators of MLX's device
-headers, which its fused elementwise kernels call. So a block gives the plain layer's output and cache writes bit for bit; a model's
-blocks are switched over only after one of them did, on the model's own weights, when it
-loads (`use_in_model`), and otherwise keep mlx-lm's call.
+headers, which its fused elementwise kernels call. So a block gives the plain layer's output
+and cache writes bit for bit; a model's blocks of one kind are switched over only after the
+first of them did, on the model's own weights, when it loads (`use_in_model`), and otherwise
+keep mlx-lm's call. A drafted row's check (speculation) and the compiled step's bits are
+therefore unchanged.
 
-What it takes: mlx-lm's llama TransformerBlock (no sliding window) whose q/k/v and gate/up
-projections run fused (rewind.models.fused_projections) over bf16/fp16 weights without a bias,
-the output and down projections likewise, RMSNorm norms, and RoPE over the whole head
-(nn.RoPE or mlx-lm's Llama3RoPE, not traditional); a call of one row and one token with a cache.
-Anything else (a batch, a prompt chunk, a drafted row's check) is mlx-lm's call. On CUDA only:
-Metal's kernels would be another source, and its per-kernel cost was not measured.
+What it takes: one of mlx-lm's blocks `r = attention(input_layernorm(x)); h = x + r; out = h +
+mlp(post_attention_layernorm(h))` (llama, qwen2, qwen3, qwen3_5; no sliding window) whose MLP is
+`down(swiglu(gate(x), up(x)))` with gate/up run fused (rewind.models.fused_projections) over
+bf16/fp16 weights without a bias, the down projection likewise, RMSNorm norms; for the attention
+half also a Llama attention with fused q/k/v, no bias, and RoPE over the whole head (nn.RoPE or
+mlx-lm's Llama3RoPE, not traditional). A call of one row and one token with a cache; anything
+else (a batch, a prompt chunk, a drafted row's check) is mlx-lm's call. On CUDA only: Metal's
+kernels would be another source, and its per-kernel cost was not measured.
 
 REWIND_FUSED_DECODE: auto (the default) on CUDA, off, on (the same as auto: the kernels exist
 for CUDA only). Read when a step's graph is built, so a compiled step (rewind.engine.
@@ -432,16 +439,25 @@ def gate_up(x: mx.array, weight: mx.array, norm: Norm | None = None) -> mx.array
 # ---- which blocks take it ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class BlockShape:
-    """What a block's fused call needs beside its weights (read from the modules at each call)."""
+class AttentionShape:
+    """A Llama attention's heads and RoPE, where its q/k/v product and RoPE are fused."""
 
     query_heads: int
     kv_heads: int
     head_dim: int
     rope_scale: float
     rope_base: float | None  # nn.RoPE's base, or None where the RoPE has frequencies
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What a block's fused call needs beside its weights (read from the modules at each call):
+    the MLP half always; the attention half where `attention` is set (else mlx-lm's attention
+    module runs it)."""
+
     dtype: Any  # the weights'
     norms: bool  # whether the products can compute the norms before them (norm_layout)
+    attention: AttentionShape | None
 
 
 def _plain_linear(module: Any, dtype: Any = None) -> bool:
@@ -482,43 +498,67 @@ def _rope_of(attention: Any, head_dim: int) -> tuple[float, float | None] | None
     return None
 
 
-def block_shape(block: Any) -> BlockShape | None:
-    """The block's shape where its decode call can be fused (see the module docstring)."""
+def _families() -> tuple[set[type], set[type]]:
+    """mlx-lm's block classes whose call is `r = attention(input_layernorm(x), mask, cache);
+    h = x + r; out = h + mlp(post_attention_layernorm(h))`, and its MLP classes whose call is
+    `down_proj(swiglu(gate_proj(x), up_proj(x)))` (read in mlx-lm 0.32's sources)."""
+    from mlx_lm.models import llama, qwen2, qwen3, qwen3_5, qwen3_next
+
+    return ({llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock,
+             qwen3_5.DecoderLayer},
+            {llama.MLP, qwen2.MLP, qwen3.MLP, qwen3_next.Qwen3NextMLP})
+
+
+def _attention_module(block: Any) -> Any:
+    """The module a block's call attends with (Qwen 3.5's layers: linear or full attention)."""
+    return block.linear_attn if getattr(block, "is_linear", False) else block.self_attn
+
+
+def _attention_shape(block: Any, hidden: int, dtype: Any) -> AttentionShape | None:
+    """A Llama block's attention where its q/k/v product and RoPE can be fused."""
     from mlx_lm.models import llama
 
     from rewind.kernels.rebind import computes_as
 
-    if computes_as(type(block)) is not llama.TransformerBlock or getattr(block, "use_sliding",
-                                                                        False):
+    if computes_as(type(block)) is not llama.TransformerBlock:
         return None
-    attention, mlp = block.self_attn, block.mlp
-    if computes_as(type(mlp)) is not llama.MLP:
-        return None
-    if not (type(block.input_layernorm) is nn.RMSNorm
-            and type(block.post_attention_layernorm) is nn.RMSNorm):
-        return None
-    o_proj, down = attention.o_proj, mlp.down_proj
-    if not _plain_linear(o_proj) or not _plain_linear(down, o_proj.weight.dtype):
-        return None
-    dtype = o_proj.weight.dtype
+    attention = block.self_attn
+    o_proj = attention.o_proj
     qkv = _fused_weight(attention, ("q_proj", "k_proj", "v_proj"), dtype)
-    gu = _fused_weight(mlp, ("gate_proj", "up_proj"), dtype)
-    if qkv is None or gu is None:
+    if qkv is None or not _plain_linear(o_proj, dtype):
         return None
     heads, kv_heads, head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
-    hidden = o_proj.weight.shape[0]
     if (head_dim % 2 or qkv.shape != ((heads + 2 * kv_heads) * head_dim, hidden)
-            or o_proj.weight.shape != (hidden, heads * head_dim)
-            or gu.shape[1] != hidden or gu.shape[0] % 2
-            or down.weight.shape != (hidden, gu.shape[0] // 2)):
+            or o_proj.weight.shape != (hidden, heads * head_dim)):
         return None
     rope = _rope_of(attention, head_dim)
     if rope is None:
         return None
-    norms = all(norm.weight.shape == (hidden,) and norm.weight.dtype == dtype
-                for norm in (block.input_layernorm, block.post_attention_layernorm))
-    return BlockShape(heads, kv_heads, head_dim, rope[0], rope[1], dtype,
-                      norms and norm_layout(hidden, dtype) is not None)
+    return AttentionShape(heads, kv_heads, head_dim, rope[0], rope[1])
+
+
+def block_shape(block: Any) -> BlockShape | None:
+    """The block's shape where its decode call can be fused (see the module docstring)."""
+    from rewind.kernels.rebind import computes_as
+
+    blocks, mlps = _families()
+    if computes_as(type(block)) not in blocks or getattr(block, "use_sliding", False):
+        return None
+    mlp = block.get("mlp") if isinstance(block, dict) else None
+    if mlp is None or computes_as(type(mlp)) not in mlps:
+        return None
+    norms = (block.input_layernorm, block.post_attention_layernorm)
+    down = mlp.down_proj
+    if not all(type(norm) is nn.RMSNorm for norm in norms) or not _plain_linear(down):
+        return None
+    dtype = down.weight.dtype
+    gu = _fused_weight(mlp, ("gate_proj", "up_proj"), dtype)
+    hidden = down.weight.shape[0]
+    if gu is None or gu.shape != (2 * down.weight.shape[1], hidden):
+        return None
+    fusable = all(norm.weight.shape == (hidden,) and norm.weight.dtype == dtype for norm in norms)
+    return BlockShape(dtype, fusable and norm_layout(hidden, dtype) is not None,
+                      _attention_shape(block, hidden, dtype))
 
 
 def _attention_function(attention: Any) -> Any:
@@ -534,7 +574,23 @@ def _attention_function(attention: Any) -> Any:
 
 def fused_call(block: Any, shape: BlockShape, x: mx.array, mask: Any, cache: Any) -> mx.array:
     """The block's call for one row and one token, in the fused kernels (module docstring)."""
-    attention, mlp = block.self_attn, block.mlp
+    mlp = block.mlp
+    before, after = block.input_layernorm, block.post_attention_layernorm
+    fuse_norms = FUSE_NORMS and shape.norms
+    if shape.attention is None:
+        h = x + _attention_module(block)(before(x), mask, cache)
+    else:
+        h = _fused_attention(block, shape.attention, x, mask, cache,
+                             (before.weight, before.eps) if fuse_norms else None)
+    gated = gate_up(h if fuse_norms else after(h), mlp.gate_proj_up_proj.weight,
+                    (after.weight, after.eps) if fuse_norms else None)
+    return product_add(gated, mlp.down_proj.weight, h)
+
+
+def _fused_attention(block: Any, shape: AttentionShape, x: mx.array, mask: Any, cache: Any,
+                     norm: Norm | None) -> mx.array:
+    """x + attention(input_layernorm(x)) for a Llama block, the products fused."""
+    attention = block.self_attn
     offset = cache.offset
     if isinstance(offset, int):
         offset = mx.array([offset], mx.int32)
@@ -543,23 +599,18 @@ def fused_call(block: Any, shape: BlockShape, x: mx.array, mask: Any, cache: Any
             offset = offset.reshape(1)
         if offset.dtype != mx.int32:
             offset = offset.astype(mx.int32)
-    rope = attention.rope
-    freqs = rope._freqs if shape.rope_base is None else None
-    before, after = block.input_layernorm, block.post_attention_layernorm
-    fuse_norms = FUSE_NORMS and shape.norms
+    freqs = attention.rope._freqs if shape.rope_base is None else None
     queries, keys, values = qkv_rope(
-        x if fuse_norms else before(x), attention.q_proj_k_proj_v_proj.weight, offset,
+        x if norm is not None else block.input_layernorm(x),
+        attention.q_proj_k_proj_v_proj.weight, offset,
         (shape.query_heads, shape.kv_heads, shape.head_dim), shape.rope_scale, shape.rope_base,
-        freqs, (before.weight, before.eps) if fuse_norms else None)
+        freqs, norm)
     keys, values = cache.update_and_fetch(keys, values)
     scores = _attention_function(attention)(queries, keys, values, cache=cache,
                                             scale=attention.scale, mask=mask)
     # [1, HQ, 1, HD] -> [1, 1, HQ * HD]: for one row and token the transpose mlx-lm makes first
     # moves nothing
-    h = product_add(scores.reshape(1, 1, -1), attention.o_proj.weight, x)
-    gated = gate_up(h if fuse_norms else after(h), mlp.gate_proj_up_proj.weight,
-                    (after.weight, after.eps) if fuse_norms else None)
-    return product_add(gated, mlp.down_proj.weight, h)
+    return product_add(scores.reshape(1, 1, -1), attention.o_proj.weight, x)
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -585,59 +636,82 @@ def _fused_class(cls: type) -> type:
 
 
 def _same_as_plain(block: Any, shape: BlockShape) -> str | None:
-    """None where the block's fused call gives its plain call's output and cache writes bit
-    for bit (random activations, a cache of 300 keys, at three positions); else what differed."""
+    """None where the block's fused call gives its plain call's bits (random activations, at
+    three positions); else what differed. With a fused attention, the whole block's output
+    and the cache's new key and value over a cache of those many keys; otherwise the MLP half,
+    the part fused (the attention half is mlx-lm's own call either way)."""
     from mlx_lm.models.cache import KVCache
 
-    hidden = block.self_attn.o_proj.weight.shape[0]
-    dtype = block.self_attn.o_proj.weight.dtype
-    key = mx.random.key(27)
+    hidden = block.mlp.down_proj.weight.shape[0]
     for position in (300, 301, 4097):
-        caches = []
-        for _ in range(2):
-            cache = KVCache()
-            prefix = (1, shape.kv_heads, position, shape.head_dim)
-            cache.update_and_fetch(mx.random.normal(prefix, key=key).astype(dtype),
-                                   mx.random.normal(prefix, key=mx.random.key(3)).astype(dtype))
-            caches.append(cache)
-        x = (mx.random.normal((1, 1, hidden), key=mx.random.key(position)) * 4).astype(dtype)
-        plain = block(x, None, caches[0])
-        fused = fused_call(block, shape, x, None, caches[1])
-        mx.eval(plain, fused, caches[0].keys, caches[1].keys)
-        for what, a, b in (("output", plain, fused),
-                           ("keys", caches[0].keys[..., position, :],
-                            caches[1].keys[..., position, :]),
-                           ("values", caches[0].values[..., position, :],
-                            caches[1].values[..., position, :])):
+        x = (mx.random.normal((1, 1, hidden), key=mx.random.key(position)) * 4).astype(
+            shape.dtype)
+        if shape.attention is None:
+            plain = x + block.mlp(block.post_attention_layernorm(x))
+            fused = product_add(gate_up(x if FUSE_NORMS and shape.norms
+                                        else block.post_attention_layernorm(x),
+                                        block.mlp.gate_proj_up_proj.weight,
+                                        (block.post_attention_layernorm.weight,
+                                         block.post_attention_layernorm.eps)
+                                        if FUSE_NORMS and shape.norms else None),
+                                block.mlp.down_proj.weight, x)
+            compared = [("the MLP half", plain, fused)]
+        else:
+            heads = shape.attention
+            caches = []
+            for _ in range(2):
+                cache = KVCache()
+                prefix = (1, heads.kv_heads, position, heads.head_dim)
+                cache.update_and_fetch(
+                    mx.random.normal(prefix, key=mx.random.key(1)).astype(shape.dtype),
+                    mx.random.normal(prefix, key=mx.random.key(2)).astype(shape.dtype))
+                caches.append(cache)
+            plain = block(x, None, caches[0])
+            fused = fused_call(block, shape, x, None, caches[1])
+            compared = [("output", plain, fused),
+                        ("keys", caches[0].keys[..., position, :],
+                         caches[1].keys[..., position, :]),
+                        ("values", caches[0].values[..., position, :],
+                         caches[1].values[..., position, :])]
+        for what, a, b in compared:
             if not mx.array_equal(a, b).item():
                 diff = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
                 return f"{what} at position {position} (largest difference {diff:.3g})"
     return None
 
 
+def _kind(block: Any, shape: BlockShape) -> tuple[Any, ...]:
+    """Blocks that compute alike: one check stands for all of them."""
+    return (type(block), getattr(block, "is_linear", False), shape)
+
+
 def use_in_model(model: Any) -> int:
     """Give every block of `model` that can take the fused call the class that takes it, once
-    the first such block gave its plain call's bits on this device; returns how many blocks.
-    Nothing changes off CUDA, with REWIND_FUSED_DECODE=off, or where the check fails (logged)."""
+    the first block of its kind gave its plain call's bits on this device; returns how many
+    blocks. Nothing changes off CUDA, with REWIND_FUSED_DECODE=off, or for a kind whose check
+    fails (logged)."""
     if not wanted():
         return 0
     blocks = [(module, shape) for _, module in model.named_modules()
               if (shape := block_shape(module)) is not None]
-    if not blocks:
-        return 0
-    first, shape = blocks[0]
-    try:
-        differs = _same_as_plain(first, shape)
-    except Exception as exc:  # noqa: BLE001 - a kernel that does not build: mlx-lm's call
-        differs = f"{type(exc).__name__}: {exc}"
-    if differs is not None:
-        log.warning("rewind.kernels.cuda_block: the fused decode block differs from mlx-lm's "
-                    "(%s); decode keeps mlx-lm's blocks", differs)
-        return 0
-    for block, block_shape_ in blocks:
-        block.__class__ = _fused_class(type(block))
-        block.__dict__["_rewind_block_shape"] = block_shape_
-    return len(blocks)
+    verdicts: dict[tuple[Any, ...], str | None] = {}
+    switched = 0
+    for block, shape in blocks:
+        kind = _kind(block, shape)
+        if kind not in verdicts:
+            try:
+                verdicts[kind] = _same_as_plain(block, shape)
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not build: mlx-lm's
+                verdicts[kind] = f"{type(exc).__name__}: {exc}"
+            if verdicts[kind] is not None:
+                log.warning("rewind.kernels.cuda_block: the fused decode block differs from "
+                            "mlx-lm's %s (%s); those blocks keep mlx-lm's call",
+                            type(block).__name__, verdicts[kind])
+        if verdicts[kind] is None:
+            block.__class__ = _fused_class(type(block))
+            block.__dict__["_rewind_block_shape"] = shape
+            switched += 1
+    return switched
 
 
 def fused_in(model: Any) -> int:
