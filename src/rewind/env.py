@@ -95,7 +95,7 @@ FUSED_PROJECTIONS = Var("REWIND_FUSED_PROJECTIONS",
 FUSED_DECODE = Var("REWIND_FUSED_DECODE",
                    "on CUDA, one row's decode step of a Llama block runs its products with what "
                    "follows them (RoPE, residual adds, the MLP's gate) in four kernels, same bits "
-                   "(rewind.kernels.cuda_block): auto (the default) and on; off",
+                   "(rewind.kernels.cuda_block): auto (the default) and on; off (mlx-lm's blocks)",
                    ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",

@@ -8,20 +8,27 @@ layer runs 15: two norms, four products, two RoPEs, two key/value writes, the at
 kernels, two residual adds and the MLP's gate. Here a product's kernel also does what comes
 before or after it elementwise:
 
-- the q/k/v product: the norm before it and RoPE on the query and key heads after it (a warp
-  takes a pair of a head's columns, i and i + head_dim / 2, so it holds both halves RoPE
-  rotates together);
+- the q/k/v product and RoPE on the query and key heads after it (a warp takes a pair of a
+  head's columns, i and i + head_dim / 2, so it holds both halves RoPE rotates together);
 - the output projection and the residual add; the down projection and the residual add;
-- the gate/up product: the norm before it and the MLP's gate after it (silu(gate) * up; a warp
-  takes gate column j and up column j).
+- the gate/up product and the MLP's gate after it (silu(gate) * up; a warp takes gate column j
+  and up column j).
 
-A norm inside a product costs each warp a pass over the row (2-16 KB, from the cache) to repeat
-rms_norm_small's reduction in its order before its own columns. Eight kernels a Llama layer
-instead of fifteen; the key/value writes and the attention (rewind.kernels.cuda_attention)
-stay as they were. Blocks of the same form whose attention is not a Llama one (Qwen 2 and 3,
-Qwen 3.5's linear and full attention layers, a Llama with biased projections) keep mlx-lm's
-attention call and fuse their MLP half: the norm, the gate/up product and the gate, the down
-product and the residual add in two kernels instead of five.
+Ten kernels a Llama layer instead of fifteen; the norms, the key/value writes and the
+attention (rewind.kernels.cuda_attention) stay as they were (FUSE_NORMS below computes the
+norms inside the products too, measured slower). Blocks of the same form whose attention is not
+a Llama one (Qwen 2 and 3, Qwen 3.5's linear and full attention layers, a Llama with biased
+projections) can keep mlx-lm's attention call and fuse their MLP half: the gate/up product and
+the gate, the down product and the residual add in two kernels instead of four (FUSE_MLP_HALVES,
+off: not measured to pay).
+
+Measured on an H100 (benchmarks/probes/decode_profile.py, one stream, random bf16 weights,
+benchmarks/results/gpu/decode-profile-*-h100-blocks-*-bbb5289): a Llama-3.2-1B step 198
+kernels instead of 290, 2.88 ms against 3.52 with mlx-lm's blocks (348 against 284 tokens/s;
+each a process of its own on one machine), but its GPU work 2.05 ms against 1.65: a warp here
+takes two weight rows, so the q/k/v product runs half as many warps as MLX's gemv, and waits on
+memory (30 us a layer for 12.6 MB). On a host fast enough to keep up with the GPU that costs
+more than it saves; one row a warp, the pairs meeting in shared memory, is the next step.
 
 Bits: each product column is MLX's one-row product (gemv in mlx/backend/cuda/gemms/gemv.cu:
 each lane sums its N_PER-element slices of K a warp's stride apart, one fused multiply-add each
@@ -67,9 +74,16 @@ log = logging.getLogger(__name__)
 
 WARPS = 8  # warps a block (gemv's rows_per_block): each takes one unit of columns
 # The norms before the q/k/v and gate/up products computed inside them (each warp repeats the
-# normalizer's reduction in rms_norm_small's order), eight kernels a layer instead of ten.
-# Probes set it False to time the ten.
-FUSE_NORMS = True
+# normalizer's reduction in rms_norm_small's order): eight kernels a Llama layer instead of ten,
+# the same bits. Off: measured on an H100 (decode_profile.py, Llama-3.2-1B shape, one stream),
+# the step's GPU work grew from 2.05 to 2.54 ms (every warp's pass over the row before its own
+# columns) for the same wall time a step (2.87 ms against 2.88; 3.52 with mlx-lm's blocks).
+FUSE_NORMS = False
+# Blocks whose attention is not fused (Qwen 2/3, Qwen 3.5's layers) fusing their MLP half. Off:
+# on an H100 (Qwen 3.5 0.8B shape, one stream, with FUSE_NORMS) 500 kernels a step instead of
+# 610 moved MLX's dispatch of a step no measurable amount (5.14 ms against 5.06, processes of
+# their own) while the GPU's work grew (2.19 ms against 1.97). Probes and tests set it True.
+FUSE_MLP_HALVES = False
 
 # MLX's custom kernels are compiled inside `namespace mlx::core::cu` after this header, which
 # brings the device operators MLX's own fused elementwise kernels are built from.
@@ -693,7 +707,8 @@ def use_in_model(model: Any) -> int:
     if not wanted():
         return 0
     blocks = [(module, shape) for _, module in model.named_modules()
-              if (shape := block_shape(module)) is not None]
+              if (shape := block_shape(module)) is not None
+              and (shape.attention is not None or FUSE_MLP_HALVES)]
     verdicts: dict[tuple[Any, ...], str | None] = {}
     switched = 0
     for block, shape in blocks:
