@@ -176,6 +176,19 @@ __device__ __forceinline__ float rewind_rms_normalizer(const T* x, float eps, co
   return rsqrt(normalizer / axis_size + eps);
 }
 
+// rewind_dots over x normalized first (NORM: norm_w and eps[0], as rms_norm_small) or as it is
+template <typename T, int K, int N_PER, int COLS, bool NORM, int NORM_BLOCK, int NORM_CHUNKS,
+          int NORM_READS, typename Warp>
+__device__ __forceinline__ void rewind_normed_dots(const T* x, const T* const (&w)[COLS],
+                                                   float (&sum)[COLS], const Warp& warp,
+                                                   const T* norm_w, const float* eps) {
+  float normalizer = 0.0f;
+  if constexpr (NORM) {
+    normalizer = rewind_rms_normalizer<T, K, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(x, eps[0], warp);
+  }
+  rewind_dots<T, K, N_PER, COLS, NORM>(x, w, sum, warp, norm_w, normalizer);
+}
+
 }  // namespace mlx::core::cu
 """
 
@@ -193,13 +206,9 @@ _QKV_ROPE = """
     const int i = unit - head * HALF;
     const size_t first = (size_t)head * HD + i;
     const InT* rows[2] = {w + first * K, w + (first + HALF) * K};
-    float normalizer = 0.0f;
-    if constexpr (NORM) {
-      normalizer = rewind_rms_normalizer<InT, K, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
-          x, eps[0], warp);
-    }
     float sum[2];
-    rewind_dots<InT, K, N_PER, 2, NORM>(x, rows, sum, warp, norm_w, normalizer);
+    rewind_normed_dots<InT, K, N_PER, 2, NORM, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
+        x, rows, sum, warp, norm_w, eps);
     if (warp.thread_rank() != 0) return;
     InT out_1 = static_cast<InT>(sum[0]);
     InT out_2 = static_cast<InT>(sum[1]);
@@ -257,13 +266,9 @@ _GATE_UP = """
     const int j = blockIdx.x * WARPS + threadIdx.y;
     if (j >= I) return;
     const InT* rows[2] = {w + (size_t)j * K, w + (size_t)(I + j) * K};
-    float normalizer = 0.0f;
-    if constexpr (NORM) {
-      normalizer = rewind_rms_normalizer<InT, K, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
-          x, eps[0], warp);
-    }
     float sum[2];
-    rewind_dots<InT, K, N_PER, 2, NORM>(x, rows, sum, warp, norm_w, normalizer);
+    rewind_normed_dots<InT, K, N_PER, 2, NORM, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
+        x, rows, sum, warp, norm_w, eps);
     if (warp.thread_rank() != 0) return;
     const InT gate = static_cast<InT>(sum[0]);
     const InT up = static_cast<InT>(sum[1]);
