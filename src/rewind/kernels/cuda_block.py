@@ -486,17 +486,16 @@ def _plain_linear(module: Any, dtype: Any = None) -> bool:
 
 
 def _fused_weight(module: Any, names: tuple[str, ...], dtype: Any) -> mx.array | None:
-    """The stacked weight of `names` where they run as one product (fused_projections)."""
-    from rewind.models import fused_projections
-
+    """The stacked weight of `names` where they run as one product: rewind.models.
+    fused_projections puts a part holding the shared product (`_shared`, whose `layer` is the
+    fused layer) where each was, and the fused layer under the names joined by "_" (read by
+    attribute: that package sits above this one)."""
     parts = [module.get(name) if isinstance(module, dict) else None for name in names]
-    if not all(isinstance(part, fused_projections.FusedPart) for part in parts):
-        return None
-    shared = {id(part._shared) for part in parts}
-    layer = module.get(fused_projections.fused_name(names))
-    if len(shared) != 1 or layer is None or not _plain_linear(layer, dtype):
-        return None
-    if parts[0]._shared.layer is not layer:
+    shared = {id(getattr(part, "_shared", None)) for part in parts}
+    layer = module.get("_".join(names)) if isinstance(module, dict) else None
+    if (len(shared) != 1 or getattr(parts[0], "_shared", None) is None or layer is None
+            or getattr(parts[0]._shared, "layer", None) is not layer
+            or not _plain_linear(layer, dtype)):
         return None
     return layer.weight
 
