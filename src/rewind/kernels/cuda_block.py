@@ -480,9 +480,8 @@ class BlockShape:
 
 
 def _plain_linear(module: Any, dtype: Any = None) -> bool:
-    return (type(module) in (nn.Linear, cuda_rows.RowsLinear) and "bias" not in module
-            and module.weight.ndim == 2 and module.weight.dtype in (mx.bfloat16, mx.float16)
-            and (dtype is None or module.weight.dtype == dtype))
+    """A bias-free bf16/fp16 Linear (cuda_rows' kind), of `dtype` where given."""
+    return cuda_rows.takes_linear(module) and (dtype is None or module.weight.dtype == dtype)
 
 
 def _fused_weight(module: Any, names: tuple[str, ...], dtype: Any) -> mx.array | None:
