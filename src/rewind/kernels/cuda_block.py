@@ -380,8 +380,10 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
         raise ValueError(f"{head_dim // 2} RoPE frequencies, got {freqs.shape}")
     norm_inputs, norm_template = _norm_inputs(x, k, norm)
     grid, threads = _grid((query_heads + 2 * kv_heads) * head_dim // 2)
+    # MLX passes std::log2 of its float base: the float nearest log2(base)
+    rope = _float_array(rope_scale, math.log2(rope_base) if rope_base is not None else 0.0)
     return tuple(_qkv_kernel()(
-        inputs=[x, weight, offset, _rope_arguments(rope_scale, rope_base),
+        inputs=[x, weight, offset, rope,
                 freqs.astype(mx.float32) if freqs is not None else _dummy(mx.float32),
                 *norm_inputs],
         template=[("InT", x.dtype), ("K", k), ("N_PER", cuda_rows.elements_per_lane(k)),
@@ -393,28 +395,16 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
         output_dtypes=[x.dtype] * 3))
 
 
-_ROPE_ARGUMENTS: dict[tuple[float, float | None], mx.array] = {}
+_FLOATS: dict[tuple[float, ...], mx.array] = {}
 
 
-def _rope_arguments(scale: float, base: float | None) -> mx.array:
-    """[scale, log2(base)] as the kernel reads them, one array per RoPE (a compiled step
-    captures it once; an uncompiled one would otherwise upload it every layer and step)."""
-    got = _ROPE_ARGUMENTS.get((scale, base))
+def _float_array(*values: float) -> mx.array:
+    """`values` as one float32 array, one array per distinct values (a RoPE's [scale,
+    log2(base)], an RMSNorm's eps): a compiled step captures it once, an uncompiled one would
+    otherwise upload it every layer and step."""
+    got = _FLOATS.get(values)
     if got is None:
-        # MLX passes std::log2 of its float base: the float nearest log2(base)
-        got = mx.array([scale, math.log2(base) if base is not None else 0.0], mx.float32)
-        _ROPE_ARGUMENTS[(scale, base)] = got
-    return got
-
-
-_FLOATS: dict[float, mx.array] = {}
-
-
-def _float_array(value: float) -> mx.array:
-    """[value] as float32, one array per value (an RMSNorm's eps)."""
-    got = _FLOATS.get(value)
-    if got is None:
-        got = _FLOATS[value] = mx.array([value], mx.float32)
+        got = _FLOATS[values] = mx.array(list(values), mx.float32)
     return got
 
 
