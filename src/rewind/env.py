@@ -97,6 +97,11 @@ FUSED_DECODE = Var("REWIND_FUSED_DECODE",
                    "follows them (RoPE, residual adds, the MLP's gate) in four kernels, same bits "
                    "(rewind.kernels.cuda_block): auto (the default) and on; off (mlx-lm's blocks)",
                    ("auto", "on", "off"))
+SKINNY_PRODUCTS = Var("REWIND_SKINNY_PRODUCTS",
+                      "on CUDA, the matrix products of 2 to 64 rows (decode batches) in Rewind's "
+                      "tensor-core kernel instead of cuBLAS, whose every call costs host time "
+                      "(rewind.kernels.cuda_skinny): auto (the default) and on; off (cuBLAS)",
+                      ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
                 ("0", "1"))
@@ -128,7 +133,8 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "the model it names raises (and the file is removed)")
 
 ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FUSED_DECODE, FAST_GELU,
+                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FUSED_DECODE, SKINNY_PRODUCTS,
+                        FAST_GELU,
                         NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
                         EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
 
@@ -190,6 +196,11 @@ def fused_projections() -> str:
 def fused_decode() -> str:
     """auto, on or off (rewind.kernels.cuda_block: auto and on mean on with CUDA)."""
     return FUSED_DECODE.get() or "auto"
+
+
+def skinny_products() -> str:
+    """auto, on or off (rewind.kernels.cuda_skinny: auto and on mean on with CUDA)."""
+    return SKINNY_PRODUCTS.get() or "auto"
 
 
 def fast_gelu() -> bool:

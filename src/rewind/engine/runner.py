@@ -35,7 +35,7 @@ from rewind.engine.residuals import given_residuals
 from rewind.engine.segment import RowCaches, Segment
 from rewind.engine.step_inputs import decode_segments, prefill_segment
 from rewind.engine.step_plan import StepOutput, StepPlan
-from rewind.kernels import cuda_attention, cuda_rows, gated_delta
+from rewind.kernels import cuda_attention, cuda_rows, cuda_skinny, gated_delta
 from rewind.kernels.backend import ModelKernels, kernels_for
 from rewind.engine.model_thread import ModelThread
 from rewind.kernels.model_split import pipeline_stages, split_model
@@ -97,8 +97,11 @@ class ModelRunner:
         # Its traces are MLX's, kept per thread: the engines of a model thread share one (a
         # warm-up's traces then serve requests).
         self.compiled_decode: CompiledDecode | None = None
+        # A tied head's product for a decode batch in Rewind's kernel where the loader marked it
+        # (rewind.kernels.cuda_skinny); None: the model's own head.
+        split = split_model(model)
+        self.batch_head = None if split is None else cuda_skinny.head_of(split.head)
         if self.layer_count is None and pipeline_stages(model) == 1:
-            split = split_model(model)
             forward = model if split is None else split.backbone
 
             def make() -> CompiledDecode:
@@ -373,7 +376,7 @@ class ModelRunner:
             for i in wanted:
                 n = segments[i].logit_positions
                 if n == 1:
-                    out[i] = split.logits(hidden[i][:, -1, :])
+                    out[i] = split.logits(hidden[i][:, -1, :], self.batch_head)
                 elif rows_head is not None and n <= cuda_rows.MAX_ROWS:
                     # CUDA: every position alone, the head's weight read once for eight
                     out[i] = split.logits(hidden[i][:, -n:, :], rows_head)

@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from rewind.kernels import cuda_skinny
+
 log = logging.getLogger(__name__)
 
 # Rows summed per pass over the weights: each lane holds a float sum per row and the slice of
@@ -160,14 +162,19 @@ _MISSED: set[str] = set()
 
 class RowsLinear(nn.Linear):
     """nn.Linear (no bias) whose calls of several rows inside `rows_alone` run this module's
-    kernel: each row the bits of MLX's one-row product. Its other calls are nn.Linear's."""
+    kernel: each row the bits of MLX's one-row product. Its other calls are nn.Linear's, or
+    rewind.kernels.cuda_skinny's where that marked the module."""
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
-        if rows_alone_on() and x.ndim >= 2 and x.size // x.shape[-1] > 1:
-            if x.dtype == weight.dtype and x.size // x.shape[-1] <= MAX_ROWS:
+        rows = x.size // x.shape[-1] if x.ndim >= 2 else 1
+        if rows > 1 and rows_alone_on():
+            if x.dtype == weight.dtype and rows <= MAX_ROWS:
                 return matmul(x, weight)
-            missed(f"a product of {x.size // x.shape[-1]} rows of {x.dtype}")
+            missed(f"a product of {rows} rows of {x.dtype}")
+        elif rows > 1 and cuda_skinny.takes_module(self, rows, x.dtype):
+            # a decode batch's product in one kernel node, not a cuBLAS call (cuda_skinny)
+            return cuda_skinny.matmul(x, weight)
         return x @ weight.T
 
 

@@ -170,7 +170,8 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
             if fused_projections.wanted():
                 fused_projections.use_in_model(model)
         if mx.cuda.is_available():
-            from rewind.kernels import cuda_attention, cuda_block, cuda_rows, shifted_conv
+            from rewind.kernels import (cuda_attention, cuda_block, cuda_rows, cuda_skinny,
+                                        shifted_conv)
 
             shifted_conv.use_in_model(model)  # no cuDNN plan per new prompt-chunk length
             # a decode batch of rows of mixed lengths without MLX's masked (unfused) attention;
@@ -178,6 +179,8 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
             cuda_attention.use_in_model(model)
             # a drafted row's check with each position's bits a one-token step's (speculation)
             cuda_rows.use_in_model(model)
+            # a decode batch's products in Rewind's kernel: no cuBLAS call's host work a product
+            cuda_skinny.use_in_model(model)
             # one row's decode step of a Llama block in fewer kernels, the same bits (after the
             # fused projections and the attention's routing, which it reads)
             cuda_block.use_in_model(model)
