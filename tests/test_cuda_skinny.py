@@ -53,11 +53,14 @@ def test_off_cuda_or_switched_off_nothing_is_marked(tmp_path: Path) -> None:
 
 
 @cuda
+@pytest.mark.parametrize("w_tiles", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("n, k", [(48, 64), (40, 96), (3072, 2048), (2048, 8192)])
-def test_products_are_a_float32_products_rounded(dtype, n: int, k: int) -> None:
+def test_products_are_a_float32_products_rounded(dtype, n: int, k: int, w_tiles: int,
+                                                 monkeypatch) -> None:
     """Each row within the output's rounding of the float32 product of the same inputs, at every
     tile count, and a last tile of W rows cut short (n = 40)."""
+    monkeypatch.setattr(cuda_skinny, "W_TILES", w_tiles)
     w = (mx.random.normal((n, k), key=mx.random.key(n)) * 0.05).astype(dtype)
     for rows in (2, 5, 8, 9, 17, 33, 64):
         x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(dtype)

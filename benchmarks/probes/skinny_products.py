@@ -47,7 +47,8 @@ def accuracy(rows: int, dtype: mx.Dtype) -> list[dict]:
     return out
 
 
-def step_times(rows: int, steps: int, skinny: bool) -> dict:
+def step_times(rows: int, steps: int, skinny: bool, w_tiles: int = 1) -> dict:
+    cuda_skinny.W_TILES = w_tiles
     weights = []
     for layer in range(LAYERS):
         for name, n, k in shapes()[:4]:
@@ -83,7 +84,7 @@ def step_times(rows: int, steps: int, skinny: bool) -> dict:
     mx.eval(previous)
     wall = (time.perf_counter() - start) / steps
     host.sort()
-    return {"rows": rows, "kernel": "skinny" if skinny else "mlx",
+    return {"rows": rows, "kernel": f"skinny, {w_tiles} W tiles" if skinny else "mlx",
             "host_ms": round(1e3 * host[len(host) // 2], 3), "wall_ms": round(1e3 * wall, 3)}
 
 
@@ -106,17 +107,19 @@ def main() -> int:
         print(f"| {row['product']} | {row['rows']} | {row['dtype']} | "
               f"{row['skinny_rel']:.2e} | {row['mlx_rel']:.2e} |")
     print()
-    print("| rows | MLX host ms | MLX wall ms | skinny host ms | skinny wall ms |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| rows | MLX host ms | MLX wall ms | skinny host ms | skinny wall ms | "
+          "skinny, 2 W tiles a block: host ms | wall ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     one = step_times(1, args.steps, False)
-    print(f"| 1 (MLX's gemv) | {one['host_ms']} | {one['wall_ms']} | - | - |", flush=True)
+    print(f"| 1 (MLX's gemv) | {one['host_ms']} | {one['wall_ms']} | - | - | - | - |", flush=True)
     report["steps"].append(one)
     for rows in args.rows:
         mlx = step_times(rows, args.steps, False)
         ours = step_times(rows, args.steps, True)
-        report["steps"] += [mlx, ours]
+        wide = step_times(rows, args.steps, True, 2)
+        report["steps"] += [mlx, ours, wide]
         print(f"| {rows} | {mlx['host_ms']} | {mlx['wall_ms']} | {ours['host_ms']} | "
-              f"{ours['wall_ms']} |", flush=True)
+              f"{ours['wall_ms']} | {wide['host_ms']} | {wide['wall_ms']} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

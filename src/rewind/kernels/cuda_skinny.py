@@ -9,13 +9,15 @@ cublas_utils.cpp). A 32-row decode step of a 1B Llama makes 65 such calls; its M
 3.3 ms of a 4.7 ms step on an H100 where one row's (MLX's own gemv kernel, a plain kernel node)
 took 1.35 ms (decode-profile-h100-f18d634). A custom kernel is one kernel node.
 
-The kernel: a block takes 16 output columns (one mma A tile of W's rows) for every row of x
-(MT tiles of 8), and its WARPS warps split K between them, 32 elements a step: each lane loads
-16 bytes of two W rows and of each x row (the mma's k positions are a permutation of those 32,
-the same for W and x, so the sum is the product's), and the warps' partial sums meet in shared
-memory in warp order. Each weight is read once for all rows; the result does not depend on
-timing (no atomics), only on the row count's tile count. The bits differ from cuBLAS's (another
-summation order), as cuBLAS's differ between its own algorithms.
+The kernel: a block takes 16 x W_TILES output columns (mma A tiles of W's rows) for every row
+of x (MT tiles of 8), and its WARPS warps split K between them, 32 elements a step: each lane
+loads 16 bytes of two W rows a tile and of each x row (the mma's k positions are a permutation
+of those 32, the same for W and x, so the sum is the product's), and the warps' partial sums
+meet in shared memory in warp order. Each weight is read once for all rows. A row of x is one
+column of each tensor-core product and its sums run in a fixed order, so a row's result depends
+on that row alone, not on the other rows or their count (no atomics, no split by batch size).
+The bits differ from cuBLAS's (another summation order), as cuBLAS's differ between its own
+algorithms.
 """
 
 from __future__ import annotations
@@ -38,29 +40,42 @@ _SOURCE = """
     const int rows = shape[0];
     const int n = shape[1];
     const int k = shape[2];
-    const int group = lane >> 2;   // the mma's groupID: a W row of the tile, an x row of a tile
+    const int group = lane >> 2;   // the mma's groupID: a W row of a tile, an x row of a tile
     const int quad = lane & 3;     // its thread-in-group: which 16 bytes of the step's 32 values
-    const int first = blockIdx.x * 16;
-    // W rows past n (a last tile cut short) read row n - 1 and are not written
-    const int w_row0 = min(first + group, n - 1);
-    const int w_row1 = min(first + group + 8, n - 1);
-    const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)w_row0 * k) + quad;
-    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)w_row1 * k) + quad;
-    float acc[MT][4];
+    const int first = blockIdx.x * 16 * NT;
+    // each of the block's NT tiles of 16 W rows: rows `group` and `group + 8` of it, this lane's
+    // 16 bytes of each step; W rows past n (a last tile cut short) read row n - 1, not written
+    const uint4* w_rows[NT][2];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
+    for (int j = 0; j < NT; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+      for (int h = 0; h < 2; ++h) {
+        const int row = min(first + j * 16 + group + h * 8, n - 1);
+        w_rows[j][h] = reinterpret_cast<const uint4*>(w + (size_t)row * k) + quad;
+      }
+    }
+    float acc[NT][MT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.0f;
+      }
     }
     const int steps = k / 32;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int s0 = warp_id * UNROLL; s0 < steps; s0 += WARPS * UNROLL) {
-      uint4 a0[UNROLL], a1[UNROLL];
+      uint4 a[UNROLL][NT][2];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int s = s0 + u;
-        a0[u] = s < steps ? w0[s * 4] : zero;
-        a1[u] = s < steps ? w1[s * 4] : zero;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            a[u][j][h] = s0 + u < steps ? w_rows[j][h][(s0 + u) * 4] : zero;
+          }
+        }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
@@ -73,27 +88,36 @@ _SOURCE = """
               ? reinterpret_cast<const uint4*>(x + (size_t)row * k)[s * 4 + quad] : zero;
           // k positions 2q, 2q+1 | 2q+8, 2q+9 of the first mma are this lane's values 0-1 | 2-3,
           // of the second its values 4-5 | 6-7: the same places in W's and x's registers
-          MMA(acc[t], a0[u].x, a1[u].x, a0[u].y, a1[u].y, b.x, b.y);
-          MMA(acc[t], a0[u].z, a1[u].z, a0[u].w, a1[u].w, b.z, b.w);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4 lo = a[u][j][0], hi = a[u][j][1];
+            MMA(acc[j][t], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+            MMA(acc[j][t], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+          }
         }
       }
     }
-    // acc[t][0..1]: W row `group`, x rows t*8 + 2*quad + 0..1; acc[t][2..3]: W row group + 8
+    // acc[j][t][0..1]: W row j*16 + group, x rows t*8 + 2*quad + 0..1; [2..3]: W row + 8.
+    // One W tile at a time through shared memory (48 KB at most, static)
     __shared__ float partial[WARPS][MT * 4][32];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
+    for (int j = 0; j < NT; ++j) {
+      if (j > 0) __syncthreads();  // the last tile's sums are read
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp_id][t * 4 + i][lane] = acc[t][i];
-    }
-    __syncthreads();
-    for (int slot = warp_id; slot < MT * 4; slot += WARPS) {
-      float total = 0.0f;
+      for (int t = 0; t < MT; ++t) {
 #pragma unroll
-      for (int w_ = 0; w_ < WARPS; ++w_) total += partial[w_][slot][lane];
-      const int t = slot >> 2, i = slot & 3;
-      const int row = t * 8 + 2 * quad + (i & 1);
-      const int column = first + group + (i >> 1) * 8;
-      if (row < rows && column < n) out[(size_t)row * n + column] = static_cast<InT>(total);
+        for (int i = 0; i < 4; ++i) partial[warp_id][t * 4 + i][lane] = acc[j][t][i];
+      }
+      __syncthreads();
+      for (int slot = warp_id; slot < MT * 4; slot += WARPS) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w_ = 0; w_ < WARPS; ++w_) total += partial[w_][slot][lane];
+        const int t = slot >> 2, i = slot & 3;
+        const int row = t * 8 + 2 * quad + (i & 1);
+        const int column = first + j * 16 + group + (i >> 1) * 8;
+        if (row < rows && column < n) out[(size_t)row * n + column] = static_cast<InT>(total);
+      }
     }
 """
 
@@ -111,6 +135,9 @@ _HEADER = """
 """
 
 UNROLL = 4  # steps a warp loads before it multiplies (bytes in flight for HBM)
+# Tiles of 16 W rows a block takes: each x value a warp loads serves them all (x is read from
+# L2 once per block, and there are n / (16 * W_TILES) blocks).
+W_TILES = 1
 
 
 def available() -> bool:
@@ -157,8 +184,9 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
     n, k = weight.shape
     out = _kernel(x.dtype == mx.float16)(
         inputs=[x.reshape(rows, k), weight, mx.array([rows, n, k], mx.int32)],
-        template=[("InT", x.dtype), ("MT", tiles(rows)), ("WARPS", WARPS), ("UNROLL", UNROLL)],
-        grid=(32 * -(-n // 16), WARPS, 1), threadgroup=(32, WARPS, 1),
+        template=[("InT", x.dtype), ("MT", tiles(rows)), ("NT", W_TILES), ("WARPS", WARPS),
+                  ("UNROLL", UNROLL)],
+        grid=(32 * -(-n // (16 * W_TILES)), WARPS, 1), threadgroup=(32, WARPS, 1),
         output_shapes=[(rows, n)], output_dtypes=[x.dtype])[0]
     return out.reshape(*lead, n)
 
