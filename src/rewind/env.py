@@ -99,8 +99,8 @@ FUSED_DECODE = Var("REWIND_FUSED_DECODE",
                    ("auto", "on", "off"))
 SKINNY_PRODUCTS = Var("REWIND_SKINNY_PRODUCTS",
                       "on CUDA, the matrix products of 2 to 64 rows (decode batches) in Rewind's "
-                      "tensor-core kernel instead of cuBLAS, whose every call costs host time "
-                      "(rewind.kernels.cuda_skinny): auto (the default) and on; off (cuBLAS)",
+                      "tensor-core kernel, whose rows compute alone, instead of cuBLAS "
+                      "(rewind.kernels.cuda_skinny): on; auto (the default) and off: cuBLAS",
                       ("auto", "on", "off"))
 FAST_GELU = Var("REWIND_FAST_GELU", "0: mlx-lm's scalar tanh-GELU on the CPU", ("0", "1"))
 NO_AVX512 = Var("REWIND_NO_AVX512", "1: build the C kernels for AVX2 even on an AVX-512 CPU",
@@ -199,7 +199,7 @@ def fused_decode() -> str:
 
 
 def skinny_products() -> str:
-    """auto, on or off (rewind.kernels.cuda_skinny: auto and on mean on with CUDA)."""
+    """auto, on or off (rewind.kernels.cuda_skinny: on means on with CUDA; auto is off)."""
     return SKINNY_PRODUCTS.get() or "auto"
 
 

@@ -70,7 +70,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="decode steps in each timed window")
     parser.add_argument("--parts", nargs="+", default=["engine", "greedy", "mlx-lm", "http"],
                         choices=["engine", "uncompiled", "compiled", "fused", "unfused",
-                                 "plain-blocks", "cublas", "greedy", "mlx-lm",
+                                 "plain-blocks", "skinny", "greedy", "mlx-lm",
                                  "http", "kernels", "llama-cpp"],
                         help="engine: Rewind's Engine as served, greedy with a logit bias "
                              "against EOS; uncompiled / compiled: the same engine with "
@@ -80,9 +80,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "weights loaded with REWIND_FUSED_PROJECTIONS=on / off, each stream "
                              "count right after the first engine's; plain-blocks: another "
                              "engine loaded with REWIND_FUSED_DECODE=off (mlx-lm's blocks for a "
-                             "lone row, not rewind.kernels.cuda_block's), likewise; cublas: "
-                             "another engine loaded with REWIND_SKINNY_PRODUCTS=off (a decode "
-                             "batch's products in cuBLAS, not rewind.kernels.cuda_skinny), "
+                             "lone row, not rewind.kernels.cuda_block's), likewise; skinny: "
+                             "another engine loaded with REWIND_SKINNY_PRODUCTS=on (a decode "
+                             "batch's products in rewind.kernels.cuda_skinny, not cuBLAS), "
                              "likewise; "
                              "greedy: the same without the bias (plain argmax sampler); "
                              "mlx-lm: BatchGenerator; http: rewind serve + openai client; "
@@ -176,7 +176,7 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         for part, variable, setting in (("fused", env.FUSED_PROJECTIONS, "on"),
                                         ("unfused", env.FUSED_PROJECTIONS, "off"),
                                         ("plain-blocks", env.FUSED_DECODE, "off"),
-                                        ("cublas", env.SKINNY_PRODUCTS, "off")):
+                                        ("skinny", env.SKINNY_PRODUCTS, "on")):
             if part in args.parts:
                 with env.overridden({variable: setting}):
                     other = build_model(name, family, overrides, work_dir)

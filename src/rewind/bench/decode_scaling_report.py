@@ -52,7 +52,8 @@ def markdown(report: dict[str, Any]) -> str:
             ("fused", "Rewind engine, q/k/v and gate/up fused (EOS bias)"),
             ("unfused", "Rewind engine, q/k/v and gate/up unfused (EOS bias)"),
             ("plain-blocks", "Rewind engine, mlx-lm's blocks, REWIND_FUSED_DECODE=off (EOS bias)"),
-            ("cublas", "Rewind engine, cuBLAS products, REWIND_SKINNY_PRODUCTS=off (EOS bias)"))
+            ("skinny", "Rewind engine, Rewind's batch products, REWIND_SKINNY_PRODUCTS=on "
+                       "(EOS bias)"))
             if any(part in parts for parts in entry["rows"].values())]
         header[2:2] = [title for _, title in settings]
         measured = any("llama.cpp" in parts for parts in entry["rows"].values())
@@ -91,7 +92,7 @@ def markdown(report: dict[str, Any]) -> str:
         per_step = [(count, part, parts[part]["per_step"]) for count, parts in
                     sorted(entry["rows"].items(), key=lambda kv: int(kv[0]))
                     for part in ("engine", "uncompiled", "compiled", "fused", "unfused",
-                                 "plain-blocks", "cublas")
+                                 "plain-blocks", "skinny")
                     if part in parts and parts[part].get("per_step", {}).get("steps")]
         if per_step:
             lines += ["", "Where an engine decode step goes (mean ms per step of the window, "
