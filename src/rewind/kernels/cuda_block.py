@@ -28,7 +28,10 @@ kernels instead of 290, 2.88 ms against 3.52 with mlx-lm's blocks (348 against 2
 each a process of its own on one machine), but its GPU work 2.05 ms against 1.65: a warp here
 takes two weight rows, so the q/k/v product runs half as many warps as MLX's gemv, and waits on
 memory (30 us a layer for 12.6 MB). On a host fast enough to keep up with the GPU that costs
-more than it saves; one row a warp, the pairs meeting in shared memory, is the next step.
+more than it saves. One row a warp, the pairs meeting in shared memory (branch
+cuda-block-one-row-a-warp, the same bits), left it at 34 us and the step's GPU work at 2.13 ms,
+where the gate/up kernel of the same loop moves 67 MB in 24 us: the q/k/v kernel's time is not
+its warp count (docs/HARDWARE.md).
 
 Bits: each product column is MLX's one-row product (gemv in mlx/backend/cuda/gemms/gemv.cu:
 each lane sums its N_PER-element slices of K a warp's stride apart, one fused multiply-add each
