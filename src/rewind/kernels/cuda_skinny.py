@@ -22,10 +22,10 @@ algorithms.
 Opt-in (REWIND_SKINNY_PRODUCTS=on; the default keeps cuBLAS). Measured on an H100, Llama-3.2-1B
 shape, 32 streams (benchmarks/results/gpu/*skinny*-h100-*, docs/HARDWARE.md): the step's CUDA
 API host time fell from 3.2 to 1.6 ms, but these products took ~1.6x cuBLAS's GPU time (1.7
-against 1.1 ms a step, 1.5 against 2.3 TB/s of weights), and the two end-to-end comparisons
-disagreed in direction (separate processes: 7,604 against 5,590 tokens/s; one process, this
-engine first: 5,320-5,779 against 7,787). It stays for what else it gives: rows that compute
-alone in a batch (tested on the GPU), which exact speculation inside a GPU batch needs.
+against 1.1 ms a step, 1.5 against 2.3 TB/s of weights). A step bound by the host gained (7,604
+against 5,590 tokens/s, separate processes); one bound by the GPU lost (5,320-5,779 against
+7,787, one process). It stays for what else it gives: rows that compute alone in a batch (tested
+on the GPU), which exact speculation inside a GPU batch needs.
 """
 
 from __future__ import annotations
