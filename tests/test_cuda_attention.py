@@ -290,9 +290,8 @@ def test_a_mixed_length_batch_decodes_as_with_mlxs_attention(tiny_model_path) ->
     give the tokens and (up to bf16 rounding) the log-probabilities of MLX's masked attention,
     and the kernel really ran."""
     from rewind import env
-    from rewind.config import EngineConfig
-    from rewind.engine import Engine, GenerationRequest, SamplingParams
     from rewind.models.loader import load_model
+    from rewind.testing.engine_answers import greedy_answers
 
     loaded = load_model(str(tiny_model_path("llama")))
     prompts = [loaded.tokenizer.encode(text) for text in
@@ -307,13 +306,7 @@ def test_a_mixed_length_batch_decodes_as_with_mlxs_attention(tiny_model_path) ->
         return original(*args, **kwargs)
 
     def run() -> list[list[tuple[int, float]]]:
-        with Engine(loaded, EngineConfig(parallel=3)) as engine:
-            no_eos = {int(t): -100.0 for t in engine.eos_token_ids}
-            streams = [engine.submit(GenerationRequest(p, SamplingParams(
-                temperature=0.0, max_tokens=12, logprobs=True, logit_bias=no_eos)))
-                for p in prompts]
-            results = [s.collect(120) for s in streams]
-        return [list(zip(r.tokens, r.logprobs)) for r in results]
+        return greedy_answers(loaded, prompts, timeout=120)
 
     cuda_attention.decode_attention = counted
     try:

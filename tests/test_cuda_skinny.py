@@ -11,11 +11,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from rewind import env
-from rewind.config import EngineConfig
-from rewind.engine import Engine, GenerationRequest, SamplingParams
 from rewind.kernels import cuda_skinny
 from rewind.kernels.model_split import split_model
 from rewind.models.loader import load_model
+from rewind.testing.engine_answers import greedy_answers
 from rewind.testing.tiny_models import build_tiny_model
 
 cuda = pytest.mark.skipif(not cuda_skinny.available(), reason="needs MLX's CUDA backend")
@@ -117,15 +116,6 @@ def test_a_rows_answer_in_a_batch_does_not_depend_on_the_other_rows(tmp_path: Pa
         loaded = load_model(str(folder), dtype=mx.bfloat16)
     prompts = [[5, 9, 200, 31] * 5, [7, 7, 8] * 9, [100, 101] * 4, [300, 2, 60] * 6]
 
-    def together(batch: list[list[int]]) -> list[list[tuple[int, float]]]:
-        with Engine(loaded, EngineConfig(parallel=4, speculative="off")) as engine:
-            no_eos = {int(t): -100.0 for t in engine.eos_token_ids}
-            streams = [engine.submit(GenerationRequest(p, SamplingParams(
-                temperature=0.0, max_tokens=12, logprobs=True, logit_bias=no_eos)))
-                for p in batch]
-            results = [stream.collect(300) for stream in streams]
-        return [list(zip(r.tokens, r.logprobs)) for r in results]
-
-    first = together(prompts[:3])
-    second = together([prompts[0], prompts[3]])
+    first = greedy_answers(loaded, prompts[:3], speculative="off")
+    second = greedy_answers(loaded, [prompts[0], prompts[3]], speculative="off")
     assert first[0] == second[0]
