@@ -74,11 +74,12 @@ def register(parser: argparse.ArgumentParser) -> None:
                                  "http", "kernels", "llama-cpp"],
                         help="engine: Rewind's Engine as served, greedy with a logit bias "
                              "against EOS; uncompiled / compiled: the same engine with "
-                             "REWIND_COMPILED_DECODE off / on, each stream count right after "
-                             "the engine's (one process: these machines' host speed varies "
+                             "REWIND_COMPILED_DECODE off / on, each stream count after "
+                             "the engines' (one process: these machines' host speed varies "
                              "between processes); fused / unfused: another engine on the same "
-                             "weights loaded with REWIND_FUSED_PROJECTIONS=on / off, each stream "
-                             "count right after the first engine's; plain-blocks: another "
+                             "weights loaded with REWIND_FUSED_PROJECTIONS=on / off, at each "
+                             "stream count beside the first engine, the two taking turns going "
+                             "first; plain-blocks: another "
                              "engine loaded with REWIND_FUSED_DECODE=off (mlx-lm's blocks for a "
                              "lone row, not rewind.kernels.cuda_block's), likewise; skinny: "
                              "another engine loaded with REWIND_SKINNY_PRODUCTS=on (a decode "
@@ -205,22 +206,21 @@ def measure_model(name: str, family: str, overrides: dict[str, Any], args: argpa
         if "mlx-lm" in args.parts:
             with env.overridden({env.GATED_DELTA: "off", env.CUDA_ATTENTION: "off"}):
                 run_mlx_lm(loaded.model, prompts(warm, 64), 8)
-        for count in streams:
-            if "engine" in args.parts and not deadline.passed():
-                record("engine", count,
-                       run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, bias))
+        for index, count in enumerate(streams):
+            # the engines take turns going first from one stream count to the next, the served
+            # one among them (the order within a process has moved a step's time as much as
+            # the change compared did)
+            order = [("engine", engine)] if "engine" in args.parts else []
+            order += list(projections.items())
+            for part, each_engine in (order[::-1] if index % 2 else order):
+                if not deadline.passed():
+                    record(part, count, run_engine(each_engine, prompts(count),
+                                                   args.decode_tokens, chunk_tokens, bias))
             for part, setting in compiled_parts.items():
                 if part in args.parts and not deadline.passed():
                     with env.overridden({env.COMPILED_DECODE: setting}):
                         record(part, count, run_engine(engine, prompts(count),
                                                        args.decode_tokens, chunk_tokens, bias))
-            # the forms take turns going first (the order within a process has moved a
-            # step's time as much as the fusion did)
-            order = list(projections.items())
-            for part, other_engine in (order if count % 2 else order[::-1]):
-                if not deadline.passed():
-                    record(part, count, run_engine(other_engine, prompts(count),
-                                                   args.decode_tokens, chunk_tokens, bias))
             if "greedy" in args.parts and not deadline.passed():
                 record("greedy", count,
                        run_engine(engine, prompts(count), args.decode_tokens, chunk_tokens, None))
