@@ -132,11 +132,11 @@ TEST_FORWARD_FAULT = Var("REWIND_TEST_FORWARD_FAULT",
                          "tests only: a trigger file; once it exists, the next forward pass of "
                          "the model it names raises (and the file is removed)")
 
-ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA, CUDA_ATTENTION,
-                        PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS, FUSED_DECODE, SKINNY_PRODUCTS,
-                        FAST_GELU,
-                        NO_AVX512, NO_AMX, SANITIZE, COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC,
-                        EXTRAS, URL, API_KEY, TEST_FORWARD_FAULT)
+ALL: tuple[Var, ...] = (HOME, NATIVE, NATIVE_OLD, CPU_HEAD, CPU_ATTENTION, GATED_DELTA,
+                        CUDA_ATTENTION, PROMPT_SHAPES, COMPILED_DECODE, FUSED_PROJECTIONS,
+                        FUSED_DECODE, SKINNY_PRODUCTS, FAST_GELU, NO_AVX512, NO_AMX, SANITIZE,
+                        COMPUTE_DTYPE, DEFAULT_FORM, NO_OPENBLAS, BLAS_REEXEC, EXTRAS, URL,
+                        API_KEY, TEST_FORWARD_FAULT)
 
 
 def check_all() -> list[str]:

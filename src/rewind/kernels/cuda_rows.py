@@ -173,7 +173,7 @@ class RowsLinear(nn.Linear):
                 return matmul(x, weight)
             missed(f"a product of {rows} rows of {x.dtype}")
         elif rows > 1 and cuda_skinny.takes_module(self, rows, x.dtype):
-            # a decode batch's product in one kernel node, not a cuBLAS call (cuda_skinny)
+            # REWIND_SKINNY_PRODUCTS=on: one kernel node, not a cuBLAS call (cuda_skinny)
             return cuda_skinny.matmul(x, weight)
         return x @ weight.T
 

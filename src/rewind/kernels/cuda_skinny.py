@@ -1,5 +1,6 @@
 """Matrix products of a decode batch on CUDA in one kernel of Rewind's own: x [M, K] @ W^T for
-2 to MAX_ROWS rows, bf16 or fp16, on tensor cores (mma.sync m16n8k16, float accumulation).
+2 to MAX_ROWS rows (decode batches, and prompt chunks that short), bf16 or fp16, on tensor
+cores (mma.sync m16n8k16, float accumulation).
 
 Why: MLX's CUDA matmul sends every product of more than one row to cuBLASLt, and each call pays
 on the host, every step: a matmul descriptor and layouts built anew, an algorithm heuristic
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64  # the decode batches of up to 64 rows; more go to cuBLAS (arithmetic-bound there)
 WARPS = 8  # warps a block, splitting K
 K_STEP = 32  # K elements a warp takes a step (a 16-byte load per lane per row)
+UNROLL = 4  # steps a warp loads before it multiplies (bytes in flight for HBM)
+# Tiles of 16 W rows a block takes: each x value a warp loads serves them all (x is read from
+# L2 once per block, and there are n / (16 * W_TILES) blocks).
+W_TILES = 1
 
 _SOURCE = """
     const int lane = threadIdx.x;
@@ -142,11 +147,6 @@ _HEADER = """
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 """
 
-UNROLL = 4  # steps a warp loads before it multiplies (bytes in flight for HBM)
-# Tiles of 16 W rows a block takes: each x value a warp loads serves them all (x is read from
-# L2 once per block, and there are n / (16 * W_TILES) blocks).
-W_TILES = 1
-
 
 def available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -169,7 +169,7 @@ def takes(rows: int, weight: mx.array, dtype: Any) -> bool:
 
 def tiles(rows: int) -> int:
     """The kernel's tiles of 8 rows for `rows` rows: a power of two, so that few variants are
-    built (and a batch's result depends on its row count only through this)."""
+    built (a row's result is the same in each)."""
     count = 1
     while count * 8 < rows:
         count *= 2
@@ -200,7 +200,7 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
 
 
 def wanted() -> bool:
-    """REWIND_SKINNY_PRODUCTS=on with CUDA (auto is off: measured slower than cuBLAS)."""
+    """REWIND_SKINNY_PRODUCTS=on with CUDA (auto keeps cuBLAS: see the module docstring)."""
     from rewind import env
 
     return env.skinny_products() == "on" and available()

@@ -179,7 +179,7 @@ def prepare_for_backend(model: Any, dtype: Any | None = None, cpu_head: str | No
             cuda_attention.use_in_model(model)
             # a drafted row's check with each position's bits a one-token step's (speculation)
             cuda_rows.use_in_model(model)
-            # a decode batch's products in Rewind's kernel: no cuBLAS call's host work a product
+            # with REWIND_SKINNY_PRODUCTS=on, products of 2-64 rows in Rewind's kernel, not cuBLAS
             cuda_skinny.use_in_model(model)
             # one row's decode step of a Llama block in fewer kernels, the same bits (after the
             # fused projections and the attention's routing, which it reads)
