@@ -1,4 +1,4 @@
-"""rewind.kernels.cuda_skinny: a decode batch's matrix products (2 to 64 rows) in one
+"""rewind.kernels.cuda_skinny (opt-in): a decode batch's matrix products (2 to 64 rows) in one
 tensor-core kernel instead of a cuBLAS call. What it takes is decided on every backend; the
 kernel runs where CUDA is (skipped elsewhere)."""
 
@@ -42,7 +42,7 @@ def test_what_the_kernel_does_not_take_raises_before_it_runs(x_shape, x_dtype, w
 
 def test_only_asked_for_and_on_cuda_are_products_marked(tmp_path: Path) -> None:
     folder = build_tiny_model("llama", tmp_path / "model", dtype="bfloat16")
-    loaded = load_model(str(folder), dtype=mx.bfloat16)  # auto: cuBLAS (measured faster)
+    loaded = load_model(str(folder), dtype=mx.bfloat16)  # auto keeps cuBLAS
     for setting in ("off", "auto"):
         with env.overridden({env.SKINNY_PRODUCTS: setting}):
             assert cuda_skinny.use_in_model(loaded.model) == 0
