@@ -8,7 +8,8 @@
   steps in flight one behind the other: the host time of building and `async_eval` a step, and
   the wall time a step (the larger of the host's and the GPU's).
 
-Usage: python benchmarks/probes/skinny_products.py [--rows 2 8 32 64] [--steps 40] [--json F]
+Usage: python benchmarks/probes/skinny_products.py [--rows 2 8 32 64] [--steps 40] [--compiled]
+       [--json F]
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def accuracy(rows: int, dtype: mx.Dtype) -> list[dict]:
     return out
 
 
-def step_times(rows: int, steps: int, skinny: bool, w_tiles: int = 1) -> dict:
+def step_times(rows: int, steps: int, skinny: bool, w_tiles: int = 1,
+               compiled: bool = False) -> dict:
     cuda_skinny.W_TILES = w_tiles
     weights = []
     for layer in range(LAYERS):
@@ -65,17 +67,21 @@ def step_times(rows: int, steps: int, skinny: bool, w_tiles: int = 1) -> dict:
             return cuda_skinny.matmul(x, w)
         return x @ w.T
 
-    def step() -> list[mx.array]:
-        return [product(inputs[w.shape[1]], w) for w in weights]
+    def step(x_hidden: mx.array, x_intermediate: mx.array) -> list[mx.array]:
+        xs = {HIDDEN: x_hidden, INTERMEDIATE: x_intermediate}
+        return [product(xs[w.shape[1]], w) for w in weights]
 
-    for _ in range(3):  # builds the kernels and cuBLAS's plans
-        mx.eval(step())
+    # compiled as the engine's decode step is: the Python of each call runs once, at the trace
+    run = mx.compile(step) if compiled else step
+    xs = (inputs[HIDDEN], inputs[INTERMEDIATE])
+    for _ in range(3):  # builds the kernels and cuBLAS's plans (and the trace)
+        mx.eval(run(*xs))
     host = []
     previous = None
     start = time.perf_counter()
     for _ in range(steps):
         began = time.perf_counter()
-        outs = step()
+        outs = run(*xs)
         mx.async_eval(outs)
         host.append(time.perf_counter() - began)
         if previous is not None:
@@ -85,6 +91,7 @@ def step_times(rows: int, steps: int, skinny: bool, w_tiles: int = 1) -> dict:
     wall = (time.perf_counter() - start) / steps
     host.sort()
     return {"rows": rows, "kernel": f"skinny, {w_tiles} W tiles" if skinny else "mlx",
+            "compiled": compiled,
             "host_ms": round(1e3 * host[len(host) // 2], 3), "wall_ms": round(1e3 * wall, 3)}
 
 
@@ -93,6 +100,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--compiled", action="store_true",
+                        help="each step's products through mx.compile, as the engine's decode "
+                             "step runs them (host time without each call's Python)")
     args = parser.parse_args()
     if not cuda_skinny.available():
         print("needs MLX's CUDA backend", file=sys.stderr)
@@ -110,13 +120,13 @@ def main() -> int:
     print("| rows | MLX host ms | MLX wall ms | skinny host ms | skinny wall ms | "
           "skinny, 2 W tiles a block: host ms | wall ms |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    one = step_times(1, args.steps, False)
+    one = step_times(1, args.steps, False, compiled=args.compiled)
     print(f"| 1 (MLX's gemv) | {one['host_ms']} | {one['wall_ms']} | - | - | - | - |", flush=True)
     report["steps"].append(one)
     for rows in args.rows:
-        mlx = step_times(rows, args.steps, False)
-        ours = step_times(rows, args.steps, True)
-        wide = step_times(rows, args.steps, True, 2)
+        mlx = step_times(rows, args.steps, False, compiled=args.compiled)
+        ours = step_times(rows, args.steps, True, compiled=args.compiled)
+        wide = step_times(rows, args.steps, True, 2, compiled=args.compiled)
         report["steps"] += [mlx, ours, wide]
         print(f"| {rows} | {mlx['host_ms']} | {mlx['wall_ms']} | {ours['host_ms']} | "
               f"{ours['wall_ms']} | {wide['host_ms']} | {wide['wall_ms']} |", flush=True)
