@@ -61,6 +61,7 @@ from mlx_lm.models.cache import ArraysCache
 from rewind import env
 from rewind.cache.kv import GrowingBatchKVCache, GrowingKVCache
 from rewind.engine.segment import RowCaches, Segment
+from rewind.kernels.cuda_device import on_cuda
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ def _wanted() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _on_cuda() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 Layout = tuple[int, ...]  # per layer: _KV, or how many arrays an ArraysCache holds

@@ -39,6 +39,7 @@ import mlx.core as mx
 
 from rewind import env
 from rewind.kernels import cuda_rows, prompt_shapes
+from rewind.kernels.cuda_device import on_cuda
 
 WARPS = 8  # warps per block: keys of a span split 8 ways
 # Keys per block, at least. A row's spans are sized from its own key count (at most MAX_SPANS
@@ -451,7 +452,7 @@ def _partials_bytes(group: int, dim: int, warps: int = WARPS) -> int:
 
 
 def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.array,

@@ -72,6 +72,7 @@ import mlx.nn as nn
 
 from rewind import env
 from rewind.kernels import cuda_rows
+from rewind.kernels.cuda_device import on_cuda
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ def _gate_up_kernel() -> Any:
 
 
 def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 def wanted() -> bool:

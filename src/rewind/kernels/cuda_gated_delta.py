@@ -15,6 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from rewind.kernels.cuda_device import on_cuda
+
 _SOURCE = """
     const int lane = threadIdx.x;
     const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
@@ -87,7 +89,7 @@ def _kernel(per_key_gate: bool, masked: bool) -> Any:
 
 
 def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 def supported(q: mx.array) -> bool:

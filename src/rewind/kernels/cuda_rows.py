@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rewind.kernels import cuda_skinny
+from rewind.kernels.cuda_device import on_cuda
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ _SOURCE = """
 
 
 def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 def elements_per_lane(k: int) -> int:

@@ -37,6 +37,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from rewind.kernels.cuda_device import on_cuda
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the decode batches of up to 64 rows; more go to cuBLAS (arithmetic-bound there)
@@ -149,7 +151,7 @@ _HEADER = """
 
 
 def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rewind import env
+from rewind.kernels.cuda_device import on_cuda
 
 # The sibling sets, in the order their products are stacked.
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -94,7 +95,7 @@ def wanted() -> bool:
     """REWIND_FUSED_PROJECTIONS: auto means on with MLX's CUDA backend."""
     setting = env.fused_projections()
     if setting == "auto":
-        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+        return on_cuda()
     return setting == "on"
 
 
