@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from typing import Any, Callable, Iterator
 
@@ -109,9 +110,7 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
     if x.dtype != weight.dtype or x.dtype not in (mx.bfloat16, mx.float16):
         raise ValueError(f"bf16 or fp16 x and weight of one dtype, not {x.dtype} / {weight.dtype}")
     lead = x.shape[:-1]
-    rows = 1
-    for size in lead:
-        rows *= size
+    rows = math.prod(lead)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"{rows} rows: 1 to {MAX_ROWS}")
     n, k = weight.shape

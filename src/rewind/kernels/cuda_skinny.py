@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -184,9 +185,7 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x {x.shape} does not fit weight {weight.shape}")
     lead = x.shape[:-1]
-    rows = 1
-    for size in lead:
-        rows *= size
+    rows = math.prod(lead)
     if not takes(rows, weight, x.dtype):
         raise ValueError(f"{rows} rows of {x.dtype} against {weight.dtype} {weight.shape}: the "
                          f"kernel takes 2 to {MAX_ROWS} rows of bf16 or fp16, K a multiple of "
