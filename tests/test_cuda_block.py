@@ -108,7 +108,7 @@ def test_bad_calls_raise_before_any_kernel() -> None:
         cuda_block.qkv_rope(x, mx.zeros((512, 32), mx.bfloat16), offset, (4, 2, 64), 1.0,
                             10000.0, None)
     with pytest.raises(ValueError, match="offset"):
-        cuda_block.qkv_rope(x, mx.zeros((512, 64), mx.bfloat16), mx.array([1, 2], mx.int32),
+        cuda_block.qkv_rope(x, mx.zeros((512, 64), mx.bfloat16), mx.array([[1]], mx.int32),
                             (4, 2, 64), 1.0, 10000.0, None)
     with pytest.raises(ValueError, match="one of them"):
         cuda_block.qkv_rope(x, mx.zeros((512, 64), mx.bfloat16), offset, (4, 2, 64), 1.0,

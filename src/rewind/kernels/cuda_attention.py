@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from rewind import env
 from rewind.kernels import cuda_rows, prompt_shapes
-from rewind.kernels.cuda_device import on_cuda
+from rewind.kernels.cuda_device import constant_floats, on_cuda
 
 WARPS = 8  # warps per block: keys of a span split 8 ways
 # Keys per block, at least. A row's spans are sized from its own key count (at most MAX_SPANS
@@ -525,7 +525,7 @@ def decode_attention(queries: mx.array, key_buffer: mx.array, value_buffer: mx.a
     if positions > 1:  # one query row per position: [B * P, Hq, 1, D]
         queries = queries.transpose(0, 2, 1, 3).reshape(batch * positions, query_heads, 1, dim)
     inputs = [queries, key_buffer.astype(dtype), value_buffer.astype(dtype),
-              starts.astype(mx.int32), bounds, mx.array([scale], mx.float32)]
+              starts.astype(mx.int32), bounds, constant_floats(scale)]
     # the capacity and the span count are inputs, not template arguments: buffers grow along a
     # ladder, and each template value compiles the kernel anew
     template = [("InT", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),

@@ -72,7 +72,7 @@ import mlx.nn as nn
 
 from rewind import env
 from rewind.kernels import cuda_rows
-from rewind.kernels.cuda_device import on_cuda
+from rewind.kernels.cuda_device import constant_floats, on_cuda
 
 log = logging.getLogger(__name__)
 
@@ -210,21 +210,33 @@ _QKV_ROPE = """
     const int i = unit - head * HALF;
     const size_t first = (size_t)head * HD + i;
     const InT* rows[2] = {w + first * K, w + (first + HALF) * K};
+    // RoPE's inputs loaded before the products and used after them: the position and the
+    // constants are small arrays the host wrote, which MLX keeps in managed memory, and a
+    // load of one waits on the host's copy; issued first, that wait overlaps the weights'
+    const bool rotated = head < HQ + HKV;
+    int position = 0;
+    float rope_scale = 0.0f, rope_log2_base = 0.0f, freq = 1.0f;
+    if (rotated) {
+      position = offset[0];
+      rope_scale = rope[0];
+      rope_log2_base = rope[1];
+      if constexpr (FREQS) freq = freqs[i];
+    }
     float sum[2];
     rewind_normed_dots<InT, K, N_PER, 2, NORM, NORM_BLOCK, NORM_CHUNKS, NORM_READS>(
         x, rows, sum, warp, norm_w, eps);
     if (warp.thread_rank() != 0) return;
     InT out_1 = static_cast<InT>(sum[0]);
     InT out_2 = static_cast<InT>(sum[1]);
-    if (head < HQ + HKV) {
+    if (rotated) {
       // rope_single_impl (mlx/backend/cuda/rope.cu), forward, not traditional
-      float L = rope[0] * static_cast<float>(offset[0]);
+      float L = rope_scale * static_cast<float>(position);
       float inv_freq;
       if constexpr (FREQS) {
-        inv_freq = 1.0 / freqs[i];
+        inv_freq = 1.0 / freq;
       } else {
         float d = static_cast<float>(i) / static_cast<float>(HALF);
-        inv_freq = exp2f(-d * rope[1]);
+        inv_freq = exp2f(-d * rope_log2_base);
       }
       float theta = L * inv_freq;
       float costheta = cosf(theta);
@@ -360,7 +372,7 @@ def _norm_inputs(x: mx.array, k: int, norm: Norm | None
     if weight.shape != (k,) or weight.dtype != x.dtype or layout is None:
         raise ValueError(f"norm weight {weight.shape} {weight.dtype} for rows of {k} {x.dtype}")
     block, chunks, reads = layout
-    return [weight, _float_array(eps)], [
+    return [weight, constant_floats(eps)], [
         ("NORM", True), ("NORM_BLOCK", block), ("NORM_CHUNKS", chunks), ("NORM_READS", reads)]
 
 
@@ -368,16 +380,17 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
              rope_scale: float, rope_base: float | None, freqs: mx.array | None,
              norm: Norm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One row's x @ weight^T for the stacked q/k/v weight [(HQ + 2 HKV) * HD, K], with RoPE
-    at position `offset` ([1] int32) on the query and key heads: (q [1, HQ, 1, HD], k and v
-    [1, HKV, 1, HD]). `heads` = (HQ, HKV, HD); RoPE from `rope_base` (nn.RoPE) or from
+    at position `offset` (int32, its first element) on the query and key heads: (q [1, HQ, 1,
+    HD], k and v [1, HKV, 1, HD]). `heads` = (HQ, HKV, HD); RoPE from `rope_base` (nn.RoPE) or from
     `freqs` (HD / 2 frequencies, Llama3RoPE), each with `rope_scale` on the position. With
     `norm`, x is first normalized as mx.fast.rms_norm(x, *norm) would."""
     k, n = _check_product(x, weight)
     query_heads, kv_heads, head_dim = heads
     if head_dim % 2 or n != (query_heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"weight {weight.shape} is not q/k/v of {heads} heads")
-    if offset.shape != (1,) or offset.dtype != mx.int32:
-        raise ValueError(f"offset: one int32, got {offset.shape} {offset.dtype}")
+    if offset.ndim != 1 or offset.size < 1 or offset.dtype != mx.int32:
+        raise ValueError(f"offset: int32 [n >= 1] whose first element is the position, got "
+                         f"{offset.shape} {offset.dtype}")
     if (freqs is None) == (rope_base is None):
         raise ValueError("RoPE from a base or from frequencies, one of them")
     if freqs is not None and freqs.shape != (head_dim // 2,):
@@ -385,7 +398,7 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
     norm_inputs, norm_template = _norm_inputs(x, k, norm)
     grid, threads = _grid((query_heads + 2 * kv_heads) * head_dim // 2)
     # MLX passes std::log2 of its float base: the float nearest log2(base)
-    rope = _float_array(rope_scale, math.log2(rope_base) if rope_base is not None else 0.0)
+    rope = constant_floats(rope_scale, math.log2(rope_base) if rope_base is not None else 0.0)
     return tuple(_qkv_kernel()(
         inputs=[x, weight, offset, rope,
                 freqs.astype(mx.float32) if freqs is not None else _dummy(mx.float32),
@@ -397,19 +410,6 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
         output_shapes=[(1, query_heads, 1, head_dim), (1, kv_heads, 1, head_dim),
                        (1, kv_heads, 1, head_dim)],
         output_dtypes=[x.dtype] * 3))
-
-
-_FLOATS: dict[tuple[float, ...], mx.array] = {}
-
-
-def _float_array(*values: float) -> mx.array:
-    """`values` as one float32 array, one array per distinct values (a RoPE's [scale,
-    log2(base)], an RMSNorm's eps): a compiled step captures it once, an uncompiled one would
-    otherwise upload it every layer and step."""
-    got = _FLOATS.get(values)
-    if got is None:
-        got = _FLOATS[values] = mx.array(list(values), mx.float32)
-    return got
 
 
 @functools.lru_cache(maxsize=None)

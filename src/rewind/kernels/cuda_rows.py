@@ -50,9 +50,10 @@ _SOURCE = """
     const int lane = warp.thread_rank();
     const int column = blockIdx.x * ROWS_PER_BLOCK + threadIdx.y;
     const int group = blockIdx.y;
-    const int rows = shape[0];
-    const int n = shape[1];
-    const int k = shape[2];
+    // sizes by value (rewind.kernels.cuda_skinny says why not from an array the host wrote)
+    const int rows = x_shape[0];
+    const int n = w_shape[0];
+    const int k = w_shape[1];
     if (column >= n) return;
     const int first = group * GROUP_ROWS;
     const InT* w_row = w + (size_t)column * k;
@@ -96,7 +97,7 @@ def elements_per_lane(k: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel() -> Any:
     # MLX's kernel header includes cooperative_groups.h, not the reduction's own header
-    return mx.fast.cuda_kernel(name="rewind_rows_alone_matmul", input_names=["x", "w", "shape"],
+    return mx.fast.cuda_kernel(name="rewind_rows_alone_matmul", input_names=["x", "w"],
                                output_names=["out"], source=_SOURCE,
                                header="#include <cooperative_groups/reduce.h>\n")
 
@@ -117,7 +118,7 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
     flat = x.reshape(rows, k)
     groups = -(-rows // GROUP_ROWS)
     out = _kernel()(
-        inputs=[flat, weight, mx.array([rows, n, k], mx.int32)],
+        inputs=[flat, weight],
         template=[("InT", x.dtype), ("N_PER", elements_per_lane(k)),
                   ("GROUP_ROWS", GROUP_ROWS), ("ROWS_PER_BLOCK", ROWS_PER_BLOCK)],
         grid=(32 * -(-n // ROWS_PER_BLOCK), ROWS_PER_BLOCK * groups, 1),
