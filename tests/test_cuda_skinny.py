@@ -1,4 +1,4 @@
-"""rewind.kernels.cuda_skinny (opt-in): a decode batch's matrix products (2 to 64 rows) in one
+"""rewind.kernels.cuda_skinny (opt-in): a decode batch's matrix products (2 to 32 rows) in one
 tensor-core kernel instead of a cuBLAS call. What it takes is decided on every backend; the
 kernel runs where CUDA is (skipped elsewhere)."""
 
@@ -28,7 +28,7 @@ def test_row_counts_round_up_to_a_power_of_two_tiles(rows: int, tiles: int) -> N
 
 @pytest.mark.parametrize("x_shape, x_dtype, w_shape, w_dtype", [
     ((1, 64), mx.bfloat16, (48, 64), mx.bfloat16),  # one row: MLX's gemv
-    ((65, 64), mx.bfloat16, (48, 64), mx.bfloat16),  # past MAX_ROWS
+    ((33, 64), mx.bfloat16, (48, 64), mx.bfloat16),  # past MAX_ROWS
     ((4, 64), mx.float32, (48, 64), mx.float32),
     ((4, 64), mx.float16, (48, 64), mx.bfloat16),
     ((4, 48), mx.bfloat16, (48, 48), mx.bfloat16),  # K not a multiple of 32
@@ -52,19 +52,40 @@ def test_only_asked_for_and_on_cuda_are_products_marked(tmp_path: Path) -> None:
     assert (marked > 0) == cuda_skinny.available()
 
 
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
+                                  (128256, 2048), (6144, 1024), (1024, 3584), (48, 64)])
+def test_every_rows_tiling_fits_a_blocks_shared_memory(n: int, k: int) -> None:
+    for rows in range(2, cuda_skinny.MAX_ROWS + 1):
+        tiling = cuda_skinny.tiling_for(rows, n, k)
+        assert cuda_skinny.fits(tiling, rows), (rows, tiling)
+        assert tiling.split >= 1 and tiling.w_tiles >= 1
+
+
+def test_a_tiling_past_shared_memory_raises_before_it_runs() -> None:
+    x = mx.zeros((32, 64), mx.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda_skinny.matmul(x, mx.zeros((48, 64), mx.bfloat16), cuda_skinny.Tiling(warps=32))
+
+
+# the default and each kind of change to it: wider W tiles, fewer warps, K split over blocks
+# (a second kernel adding the parts), W's loads streamed past L1
+TILINGS = [cuda_skinny.Tiling(), cuda_skinny.Tiling(w_tiles=2, unroll=2),
+           cuda_skinny.Tiling(w_tiles=4, unroll=1, warps=4),
+           cuda_skinny.Tiling(split=4), cuda_skinny.Tiling(w_tiles=2, split=3, stream_w=True)]
+
+
 @cuda
-@pytest.mark.parametrize("w_tiles", [1, 2])
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("n, k", [(48, 64), (40, 96), (3072, 2048), (2048, 8192)])
-def test_products_are_a_float32_products_rounded(dtype, n: int, k: int, w_tiles: int,
-                                                 monkeypatch) -> None:
+def test_products_are_a_float32_products_rounded(dtype, n: int, k: int, tiling) -> None:
     """Each row within the output's rounding of the float32 product of the same inputs, at every
-    tile count, and a last tile of W rows cut short (n = 40)."""
-    monkeypatch.setattr(cuda_skinny, "W_TILES", w_tiles)
+    tile count, a last tile of W rows cut short (n = 40), and K parts left empty (k = 64 split
+    in 3 or 4)."""
     w = (mx.random.normal((n, k), key=mx.random.key(n)) * 0.05).astype(dtype)
-    for rows in (2, 5, 8, 9, 17, 33, 64):
+    for rows in (2, 5, 8, 9, 17, 32):
         x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(dtype)
-        ours = cuda_skinny.matmul(x, w)
+        ours = cuda_skinny.matmul(x, w, tiling)
         assert ours.shape == (1, rows, n) and ours.dtype == dtype
         exact = x.astype(mx.float32) @ w.astype(mx.float32).T
         error = mx.max(mx.abs(ours.astype(mx.float32) - exact) / (mx.abs(exact) + 1e-2)).item()
@@ -72,12 +93,13 @@ def test_products_are_a_float32_products_rounded(dtype, n: int, k: int, w_tiles:
 
 
 @cuda
-def test_a_row_gets_the_same_bits_whatever_rows_share_the_product() -> None:
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_product(tiling) -> None:
     w = (mx.random.normal((256, 512), key=mx.random.key(0)) * 0.05).astype(mx.bfloat16)
-    x = mx.random.normal((64, 512), key=mx.random.key(1)).astype(mx.bfloat16)
-    everything = cuda_skinny.matmul(x, w)
-    for rows in ([0, 1], [5, 0, 7], list(range(17)), [63, 62, 0]):
-        part = cuda_skinny.matmul(x[mx.array(rows)], w)
+    x = mx.random.normal((32, 512), key=mx.random.key(1)).astype(mx.bfloat16)
+    everything = cuda_skinny.matmul(x, w, tiling)
+    for rows in ([0, 1], [5, 0, 7], list(range(17)), [31, 30, 0]):
+        part = cuda_skinny.matmul(x[mx.array(rows)], w, tiling)
         assert mx.array_equal(part, everything[mx.array(rows)]).item(), rows
 
 

@@ -29,7 +29,8 @@ def _env() -> dict[str, str]:
                                    "cached_turn_profile", "sdpa_mask_cost", "matmul_fold",
                                    "mlx_step_host_cost", "compiled_step", "row_alone",
                                    "gpu_speculation", "native_step_time", "stream_cost",
-                                   "product_rows", "attention_chain"])
+                                   "product_rows", "attention_chain", "skinny_products",
+                                   "skinny_tilings"])
 def test_probe_starts(probe: str) -> None:
     done = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], env=_env(),
                           capture_output=True, text=True, timeout=120)

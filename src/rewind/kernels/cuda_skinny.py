@@ -10,27 +10,35 @@ cublas_utils.cpp). A 32-row decode step of a 1B Llama makes 65 such calls; its M
 3.3 ms of a 4.7 ms step on an H100 where one row's (MLX's own gemv kernel, a plain kernel node)
 took 1.35 ms (decode-profile-h100-f18d634). A custom kernel is one kernel node.
 
-The kernel: a block takes 16 x W_TILES output columns (mma A tiles of W's rows) for every row
-of x (MT tiles of 8), and its WARPS warps split K between them, 32 elements a step: each lane
-loads 16 bytes of two W rows a tile and of each x row (the mma's k positions are a permutation
-of those 32, the same for W and x, so the sum is the product's), and the warps' partial sums
-meet in shared memory in warp order. Each weight is read once for all rows. A row of x is one
-column of each tensor-core product and its sums run in a fixed order, so a row's result depends
-on that row alone, not on the other rows or their count (no atomics, no split by batch size).
-The bits differ from cuBLAS's (another summation order), as cuBLAS's differ between its own
-algorithms.
+The kernel: a block takes 16 x w_tiles output columns (mma A tiles of W's rows) for every row
+of x (MT tiles of 8), and its warps split K between them, 32 elements a step: each lane loads 16
+bytes of two W rows a tile and of each x row (the mma's k positions are a permutation of those
+32, the same for W and x, so the sum is the product's), and the warps' partial sums meet in
+shared memory in warp order. Where W has few rows for its K, K is also split over `split`
+blocks, whose float sums a second kernel adds in block order. Each weight is read once for all
+rows. A row of x is one column of each tensor-core product and its sums run in a fixed order, so
+a row's result depends on that row alone, not on the other rows or their count (no atomics, no
+split by batch size). The bits differ from cuBLAS's (another summation order), as cuBLAS's
+differ between its own algorithms. `tiling_for` picks the split by the product's size.
+
+The sizes reach the kernel by value (MLX passes an input's shape as a kernel parameter), not as
+a small array the host writes each call: MLX allocates such an array in managed memory, and the
+kernel's first read of it waits for the page to move to the GPU (under Nsight Compute ~0.1-0.2
+ms a call, against under 0.05 ms for the whole product with the sizes by value;
+remote-ab-h100-*.md in benchmarks/results/gpu/).
 
 Opt-in (REWIND_SKINNY_PRODUCTS=on; the default keeps cuBLAS). Measured on an H100, Llama-3.2-1B
-shape, 32 streams (benchmarks/results/gpu/*skinny*-h100-*, docs/HARDWARE.md): the step's CUDA
-API host time fell from 3.2 to 1.6 ms, but these products took ~1.6x cuBLAS's GPU time (1.7
-against 1.1 ms a step, 1.5 against 2.3 TB/s of weights). A step bound by the host gained (7,604
-against 5,590 tokens/s, separate processes); one bound by the GPU lost (5,320-5,779 against
-7,787, one process). It stays for what else it gives: rows that compute alone in a batch (tested
-on the GPU), which exact speculation inside a GPU batch needs.
+shape, 32 rows (benchmarks/results/gpu/*skinny*-h100-*, docs/HARDWARE.md): a step's 65 products
+took 1.34 ms of GPU time against cuBLAS's 1.17 (Nsight Compute; 2.01 with the first tiling),
+and a 32-stream step's GPU busy 2.69 against 2.61 ms with 1.2 against 1.8 ms of CUDA API host
+time; served side by side in one process the two engines were within the run's noise (6,092
+against 6,254 tokens/s). It stays for what else it gives: rows that compute alone in a batch
+(tested on the GPU), which exact speculation inside a GPU batch needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -42,7 +50,9 @@ from rewind.kernels.cuda_device import on_cuda
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 64  # the decode batches of up to 64 rows; more go to cuBLAS (arithmetic-bound there)
+# the decode batches of up to 32 rows; more go to cuBLAS. Of the tilings measured, the best at
+# 64 rows took 1.6-2.1x cuBLAS's GPU time a product, at 32 rows 1.1-1.4x (skinny-tilings-h100-*)
+MAX_ROWS = 32
 WARPS = 8  # warps a block, splitting K
 K_STEP = 32  # K elements a warp takes a step (a 16-byte load per lane per row)
 UNROLL = 4  # steps a warp loads before it multiplies (bytes in flight for HBM)
@@ -53,9 +63,12 @@ W_TILES = 1
 _SOURCE = """
     const int lane = threadIdx.x;
     const int warp_id = threadIdx.y;
-    const int rows = shape[0];
-    const int n = shape[1];
-    const int k = shape[2];
+    // sizes by value (MLX passes an input's shape as a kernel parameter where the source names
+    // it), not read from a small array the host wrote: MLX keeps those in managed memory, and
+    // a kernel reading one waits on the host's page
+    const int rows = x_shape[0];
+    const int n = w_shape[0];
+    const int k = w_shape[1];
     const int group = lane >> 2;   // the mma's groupID: a W row of a tile, an x row of a tile
     const int quad = lane & 3;     // its thread-in-group: which 16 bytes of the step's 32 values
     const int first = blockIdx.x * 16 * NT;
@@ -79,9 +92,12 @@ _SOURCE = """
         for (int i = 0; i < 4; ++i) acc[j][t][i] = 0.0f;
       }
     }
-    const int steps = k / 32;
+    // SPLIT blocks share a tile's K (blockIdx.y the part): steps [begin, steps) of 32 values
+    const int per_part = (k / 32 + SPLIT - 1) / SPLIT;
+    const int begin = blockIdx.y * per_part;
+    const int steps = min(k / 32, begin + per_part);
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int s0 = warp_id * UNROLL; s0 < steps; s0 += WARPS * UNROLL) {
+    for (int s0 = begin + warp_id * UNROLL; s0 < steps; s0 += WARPS * UNROLL) {
       uint4 a[UNROLL][NT][2];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
@@ -89,7 +105,7 @@ _SOURCE = """
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            a[u][j][h] = s0 + u < steps ? w_rows[j][h][(s0 + u) * 4] : zero;
+            a[u][j][h] = s0 + u < steps ? load_w<STREAM_W>(w_rows[j][h] + (s0 + u) * 4) : zero;
           }
         }
       }
@@ -132,12 +148,34 @@ _SOURCE = """
         const int t = slot >> 2, i = slot & 3;
         const int row = t * 8 + 2 * quad + (i & 1);
         const int column = first + j * 16 + group + (i >> 1) * 8;
-        if (row < rows && column < n) out[(size_t)row * n + column] = static_cast<InT>(total);
+        // one part of SPLIT: its float sums, for _JOIN_SOURCE to add in part order
+        if (row < rows && column < n)
+          out[((size_t)blockIdx.y * rows + row) * n + column] = static_cast<OutT>(total);
       }
     }
 """
 
+_JOIN_SOURCE = """
+    // out[row, column] = the SPLIT parts' sums added in part order (a row's own values only)
+    const size_t index = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t count = (size_t)parts_shape[1] * parts_shape[2];
+    if (index >= count) return;
+    float total = 0.0f;
+#pragma unroll
+    for (int part = 0; part < SPLIT; ++part) total += parts[part * count + index];
+    out[index] = static_cast<InT>(total);
+"""
+
 _HEADER = """
+// W's loads: through L1 (0) or streamed past it (1, ld.global.cs), which leaves L1 to x's rows
+template <int STREAM>
+__device__ __forceinline__ uint4 load_w(const uint4* at) {
+  if constexpr (STREAM == 1) {
+    return __ldcs(at);
+  } else {
+    return *at;
+  }
+}
 #define MMA_BF16(c, a0, a1, a2, a3, b0, b1) \\
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " \\
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" \\
@@ -160,8 +198,55 @@ def _kernel(half: bool) -> Any:
     macro = "MMA_F16" if half else "MMA_BF16"
     return mx.fast.cuda_kernel(
         name=f"rewind_skinny_matmul_{'f16' if half else 'bf16'}",
-        input_names=["x", "w", "shape"], output_names=["out"],
+        input_names=["x", "w"], output_names=["out"],
         source=f"#define MMA {macro}\n" + _SOURCE + "#undef MMA\n", header=_HEADER)
+
+
+@functools.lru_cache(maxsize=None)
+def _join_kernel() -> Any:
+    return mx.fast.cuda_kernel(name="rewind_skinny_join", input_names=["parts"],
+                               output_names=["out"], source=_JOIN_SOURCE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How `matmul`'s kernel splits a product: `w_tiles` tiles of 16 W rows a block, `warps`
+    warps a block splitting K, `unroll` steps of 32 a warp loads before it multiplies, K split
+    over `split` blocks (whose float sums a second kernel adds in order), and W's loads
+    streamed past L1 (`stream_w`)."""
+
+    w_tiles: int = W_TILES
+    warps: int = WARPS
+    unroll: int = UNROLL
+    split: int = 1
+    stream_w: bool = False
+
+
+def tiling_for(rows: int, n: int, k: int) -> Tiling:
+    """The tiling `matmul` uses for `rows` rows against W [n, k]: the fastest measured on an
+    H100 for each of a Llama-3.2-1B step's products (benchmarks/probes/skinny_tilings.py,
+    Nsight Compute, benchmarks/results/gpu/skinny-tilings-h100-*), as a rule by size.
+
+    - K split over blocks where W has few rows for its K (the down projection, K = 4 N): its
+      2048 rows make 128 blocks or fewer for 132 multiprocessors otherwise.
+    - Up to 8 rows: 16 warps a block of 16 W rows (more warps over the few steps of a short K),
+      or 4 tiles a block for a wide W (the MLP's gate/up, the head) or a split K.
+    - 9 to 32 rows: 2 tiles a block, each x value a warp loads serving 32 W rows, 2 steps loaded
+      ahead (the registers that frees keep two blocks a multiprocessor).
+    """
+    t = tiles(rows)
+    parts = (8 if t == 1 else 4) if k >= 4 * n else 1
+    if t == 1:
+        if parts > 1 or n >= 8192:
+            return Tiling(w_tiles=4, warps=8, unroll=2, split=parts)
+        return Tiling(w_tiles=1, warps=16, unroll=2)
+    return Tiling(w_tiles=2, warps=8, unroll=2, split=parts)
+
+
+def fits(tiling: Tiling, rows: int) -> bool:
+    """Whether the warps' partial sums of `tiling` for `rows` rows fit a block's 48 KB of static
+    shared memory (a float a lane, WARPS x tiles-of-8-rows x 4 of them)."""
+    return tiling.warps * tiles(rows) * 4 * 32 * 4 <= 48 * 1024
 
 
 def takes(rows: int, weight: mx.array, dtype: Any) -> bool:
@@ -179,9 +264,9 @@ def tiles(rows: int) -> int:
     return count
 
 
-def matmul(x: mx.array, weight: mx.array) -> mx.array:
-    """x [..., K] @ weight^T for weight [N, K]: [..., N]. Raises ValueError for what the kernel
-    does not take (see `takes`)."""
+def matmul(x: mx.array, weight: mx.array, tiling: Tiling | None = None) -> mx.array:
+    """x [..., K] @ weight^T for weight [N, K]: [..., N], split as `tiling` says (by default
+    `tiling_for`'s). Raises ValueError for what the kernel does not take (see `takes`)."""
     if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x {x.shape} does not fit weight {weight.shape}")
     lead = x.shape[:-1]
@@ -191,12 +276,25 @@ def matmul(x: mx.array, weight: mx.array) -> mx.array:
                          f"kernel takes 2 to {MAX_ROWS} rows of bf16 or fp16, K a multiple of "
                          f"{K_STEP}, one dtype")
     n, k = weight.shape
+    tiling = tiling or tiling_for(rows, n, k)
+    if not fits(tiling, rows):
+        raise ValueError(f"{tiling} for {rows} rows: the warps' sums outgrow a block's static "
+                         f"shared memory (48 KB)")
+    split = tiling.split
     out = _kernel(x.dtype == mx.float16)(
-        inputs=[x.reshape(rows, k), weight, mx.array([rows, n, k], mx.int32)],
-        template=[("InT", x.dtype), ("MT", tiles(rows)), ("NT", W_TILES), ("WARPS", WARPS),
-                  ("UNROLL", UNROLL)],
-        grid=(32 * -(-n // (16 * W_TILES)), WARPS, 1), threadgroup=(32, WARPS, 1),
-        output_shapes=[(rows, n)], output_dtypes=[x.dtype])[0]
+        inputs=[x.reshape(rows, k), weight],
+        template=[("InT", x.dtype), ("OutT", x.dtype if split == 1 else mx.float32),
+                  ("MT", tiles(rows)), ("NT", tiling.w_tiles), ("WARPS", tiling.warps),
+                  ("UNROLL", tiling.unroll), ("SPLIT", split),
+                  ("STREAM_W", int(tiling.stream_w))],
+        grid=(32 * -(-n // (16 * tiling.w_tiles)), tiling.warps * split, 1),
+        threadgroup=(32, tiling.warps, 1), output_shapes=[(split, rows, n)],
+        output_dtypes=[x.dtype if split == 1 else mx.float32])[0]
+    if split > 1:
+        out = _join_kernel()(
+            inputs=[out], template=[("InT", x.dtype), ("SPLIT", split)],
+            grid=(rows * n, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, n)],
+            output_dtypes=[x.dtype])[0]
     return out.reshape(*lead, n)
 
 
@@ -207,8 +305,8 @@ def wanted() -> bool:
     return env.skinny_products() == "on" and available()
 
 
-# Row counts whose variants `agrees_with_mlx` builds and checks: one per tile count (1, 2, 4, 8).
-CHECK_ROWS = (3, 9, 17, 33)
+# Row counts whose variants `agrees_with_mlx` builds and checks: one per tile count (1, 2, 4).
+CHECK_ROWS = (3, 9, 17)
 
 
 def agrees_with_mlx(weight: mx.array, tolerance: float = 2e-2) -> str | None:
