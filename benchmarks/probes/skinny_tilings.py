@@ -136,14 +136,15 @@ def report(csv_path: Path, plan_path: Path, json_path: Path | None) -> int:
         main = max(kernels, key=lambda r: number(r, "gpu__time_duration.sum"))
         entry["main_kernel"] = main["Kernel Name"][:60]
         entry["l1_hit_pct"] = number(main, "l1tex__t_sector_hit_rate.pct")
-        entry["warps_active_pct"] = number(main, "sm__warps_active.avg.pct_of_peak_sustained_active")
+        entry["warps_active_pct"] = number(
+            main, "sm__warps_active.avg.pct_of_peak_sustained_active")
         entry["grid"] = number(main, "launch__grid_size")
         entry["registers"] = number(main, "launch__registers_per_thread")
         entry["kernels"] = len(kernels)
     print("| product | rows | kernel (w_tiles, warps, unroll, split, stream_w) | GPU us | "
           "weights TB/s | DRAM MB | L2 MB | L1 hit % | warps active % | grid | regs | "
           "off (rel.) | rows alone same bits |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | --- |" + " ---: |" * 9 + " --- |")
     for e in plan:
         label = "MLX (cuBLAS)" if e["tiling"] is None else str(tuple(e["tiling"]))
         print(f"| {e['product']} | {e['rows']} | {label} | {e['gpu_us']:.1f} | "

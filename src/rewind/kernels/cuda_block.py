@@ -210,9 +210,9 @@ _QKV_ROPE = """
     const int i = unit - head * HALF;
     const size_t first = (size_t)head * HD + i;
     const InT* rows[2] = {w + first * K, w + (first + HALF) * K};
-    // RoPE's inputs loaded before the products and used after them: the position and the
-    // constants are small arrays the host wrote, which MLX keeps in managed memory, and a
-    // load of one waits on the host's copy; issued first, that wait overlaps the weights'
+    // RoPE's inputs loaded before the products and used after them: the position is an array
+    // of 4 bytes, which MLX keeps in host memory the GPU reads across the bus (and the RoPE
+    // constants were too); issued first, that read overlaps the weights'
     const bool rotated = head < HQ + HKV;
     int position = 0;
     float rope_scale = 0.0f, rope_log2_base = 0.0f, freq = 1.0f;
@@ -381,8 +381,8 @@ def qkv_rope(x: mx.array, weight: mx.array, offset: mx.array, heads: tuple[int, 
              norm: Norm | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One row's x @ weight^T for the stacked q/k/v weight [(HQ + 2 HKV) * HD, K], with RoPE
     at position `offset` (int32, its first element) on the query and key heads: (q [1, HQ, 1,
-    HD], k and v [1, HKV, 1, HD]). `heads` = (HQ, HKV, HD); RoPE from `rope_base` (nn.RoPE) or from
-    `freqs` (HD / 2 frequencies, Llama3RoPE), each with `rope_scale` on the position. With
+    HD], k and v [1, HKV, 1, HD]). `heads` = (HQ, HKV, HD); RoPE from `rope_base` (nn.RoPE) or
+    from `freqs` (HD / 2 frequencies, Llama3RoPE), each with `rope_scale` on the position. With
     `norm`, x is first normalized as mx.fast.rms_norm(x, *norm) would."""
     k, n = _check_product(x, weight)
     query_heads, kv_heads, head_dim = heads

@@ -227,13 +227,14 @@ def tiling_for(rows: int, n: int, k: int) -> Tiling:
     H100 for each of a Llama-3.2-1B step's products (benchmarks/probes/skinny_tilings.py,
     Nsight Compute, benchmarks/results/gpu/skinny-tilings-h100-*), as a rule by size.
 
-    - K split over blocks where W has few rows for its K (the down projection, K = 4 N): its
-      2048 rows make 128 blocks or fewer for 132 multiprocessors otherwise.
-    - Up to 8 rows: 16 warps a block of 16 W rows (more warps over the few steps of a short K),
-      or 4 tiles a block for a wide W (the MLP's gate/up, the head) or a split K.
-    - 9 to 32 rows: 2 tiles a block, each x value a warp loads serving 32 W rows, 2 steps loaded
-      ahead (the registers that frees keep two blocks a multiprocessor).
-    """
+    - K split over blocks where W has few rows for its K (the down projection, K = 4 N, whose
+      2048 rows make 64-128 blocks for the H100's 132 multiprocessors otherwise): 4 parts, 8 up
+      to 8 rows.
+    - Up to 8 rows: 16 warps a block of 16 W rows, or 4 tiles a block for a wide W (the MLP's
+      gate/up, the head) or a split K.
+    - 9 to 32 rows: 2 tiles a block (each x value a warp loads serves 32 W rows), 2 steps loaded
+      ahead.
+    Which resource each choice relieves was not measured, only the time."""
     t = tiles(rows)
     parts = (8 if t == 1 else 4) if k >= 4 * n else 1
     if t == 1:
